@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test install clean protos
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The pinned CPU wheel first: an unpinned torch would pull GBs of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/steerspec run "def fibonacci(n):"
+
+test: $(STAMP)
+	bash scripts/ensure-redis.sh
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -q -p no:cacheprovider
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,13 @@
+"""`steerspec bench engine|remote|sd2`: benchmarks that print a table and write JSON."""
+
+from steerspec.cli._dispatch import register_group
+
+COMMANDS = (
+    ("engine", "steerspec.bench.engine", "in-process engine vs verifier alone vs transformers assisted generation"),
+    ("remote", "steerspec.bench.remote", "distributed path over an emulated remote link"),
+    ("sd2", "steerspec.bench.sd2", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
+)
+
+
+def register(subparsers) -> None:
+    register_group(subparsers, "bench", "benchmarks (table + JSON)", COMMANDS)

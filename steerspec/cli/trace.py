@@ -1,0 +1,9 @@
+"""`steerspec trace summarize FILE`: round-trip cost breakdown from a trace file."""
+
+from steerspec.cli._dispatch import register_group
+
+COMMANDS = (("summarize", "steerspec.tracing.summarize", "per-stage median and p90 from a JSONL trace file"),)
+
+
+def register(subparsers) -> None:
+    register_group(subparsers, "trace", "trace tools", COMMANDS)

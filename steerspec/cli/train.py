@@ -1,0 +1,14 @@
+"""`steerspec train base|synth|distill|sd2`: the project's own training pipelines."""
+
+from steerspec.cli._dispatch import register_group
+
+COMMANDS = (
+    ("base", "steerspec.train.base", "pretrain the bundled verifier or drafter on the CPython stdlib"),
+    ("synth", "steerspec.train.synth", "generate verifier answers at T=1 as a training set"),
+    ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
+    ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
+)
+
+
+def register(subparsers) -> None:
+    register_group(subparsers, "train", "training pipelines", COMMANDS)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for package steerspec.v1 (see scripts/gen_protos.py)."""

@@ -1,0 +1,99 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("ids", "probs", "support")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: bytes
+    support: int
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., support: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftBlock(_message.Message):
+    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    committed_length: int
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: SparseDistribution
+    draft_ms: float
+    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IS_BONUS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    accepted: int
+    next_token: int
+    is_bonus: bool
+    committed_length: int
+    steering: Tensor
+    queue_ms: float
+    verify_ms: float
+    batch_size: int
+    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message", "seq")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    seq: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ServiceStats(_message.Message):
+    __slots__ = ("active_sessions", "cache_bytes", "max_sessions", "max_cache_bytes", "blocks_total", "model")
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    active_sessions: int
+    cache_bytes: int
+    max_sessions: int
+    max_cache_bytes: int
+    blocks_total: int
+    model: str
+    def __init__(self, active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., blocks_total: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,95 @@
+"""Logits warping matches transformers' own warpers; sparse top-K truncation and sampling behave."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from steerspec.sampling import (
+    SamplingParams,
+    probs_from_logits,
+    sample,
+    sample_sparse,
+    truncate_top_k,
+    warp_logits,
+)
+
+
+def hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    out = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        out = TopKLogitsWarper(top_k)(None, out)
+    if top_p < 1.0:
+        out = TopPLogitsWarper(top_p)(None, out)
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 10, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.75)])
+def test_warp_matches_transformers(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 100) * 3
+    ours = probs_from_logits(logits, temperature, top_k, top_p)
+    ref = hf_warp(logits, temperature, top_k, top_p).softmax(-1)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_rows_are_one_hot_and_per_row_params():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    probs = probs_from_logits(logits, torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 50).float())
+    assert torch.equal(probs[2], torch.nn.functional.one_hot(logits[2].argmax(), 50).float())
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+
+
+def test_top_p_keeps_at_least_one_token():
+    logits = torch.tensor([[10.0, 0.0, -1.0]])
+    probs = probs_from_logits(logits, 1.0, 0, 0.01)
+    assert probs[0, 0] == 1.0
+
+
+def test_truncate_top_k_is_sparse_and_normalised():
+    torch.manual_seed(2)
+    probs = torch.randn(4, 3, 200).softmax(-1)
+    dist = truncate_top_k(probs, 16)
+    assert dist.ids.shape == (4, 3, 16) and dist.probs.shape == (4, 3, 16)
+    torch.testing.assert_close(dist.probs.sum(-1), torch.ones(4, 3))
+    dense = dist.to_dense(200)
+    assert (dense > 0).sum(-1).max() == 16
+    full = truncate_top_k(probs, 0)
+    torch.testing.assert_close(full.to_dense(200), probs)
+
+
+def test_sampling_is_seeded_and_respects_support():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).repeat(64, 1)
+    a = sample(probs, torch.Generator().manual_seed(7))
+    b = sample(probs, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert set(a.tolist()) <= {1, 2}
+    dist = truncate_top_k(torch.tensor([[0.1, 0.6, 0.3]]).repeat(5, 1), 2)
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    assert set(sample_sparse(dist, gens).tolist()) <= {1, 2}
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (SamplingParams(temperature=-0.1), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_p=0.0), "top-p"),
+        (SamplingParams(top_p=1.5), "top-p"),
+        (SamplingParams(top_k=-1), "top-k"),
+    ],
+)
+def test_params_validation(params, message):
+    with pytest.raises(ValueError, match=message):
+        params.validate()
+
+
+def test_warp_handles_all_neg_inf_free_rows():
+    logits = torch.randn(2, 10)
+    out = warp_logits(logits, 1.0, 3, 1.0)
+    assert torch.isfinite(out).sum(-1).tolist() == [3, 3]
