@@ -1,0 +1,38 @@
+"""The coordinator: session placement, the round-trip loop, the state store, the client SDK.
+
+- `coordinator.client.Client` — the SDK (`steerspec.Client`);
+- `coordinator.server.Coordinator` / `CoordinatorService` — the public Generate API (grpc.aio);
+- `coordinator.loop.SessionLoop` — one session's drafter → verifier round trips;
+- `coordinator.results` — per-block costs (`BlockStats`) and `DistributedResult`;
+- `coordinator.streams` — shared channels, streams that report failed replicas;
+- `coordinator.placement.Placer` — least-loaded / round-robin replica choice;
+- `coordinator.store` — registry + checkpoints (`InProcessStore`, `RedisStore`);
+- `coordinator.local` — `LocalCluster` (in-process servers) and `run_distributed` (local Ray).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Client": "coordinator.client",
+    "Coordinator": "coordinator.server",
+    "CoordinatorService": "coordinator.server",
+    "SessionLoop": "coordinator.loop",
+    "SessionRequest": "coordinator.loop",
+    "SessionError": "coordinator.streams",
+    "DistributedResult": "coordinator.results",
+    "InProcessStore": "coordinator.store",
+    "RedisStore": "coordinator.store",
+    "LocalCluster": "coordinator.local",
+    "run_distributed": "coordinator.local",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coordinator' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

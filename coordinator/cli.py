@@ -1,0 +1,132 @@
+"""Serve the coordinator: the public Generate API, placing sessions on drafter and verifier replicas."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from steerspec.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
+    parser.add_argument("--verifier", default="", help="verifier replicas HOST:PORT[,HOST:PORT...]")
+    parser.add_argument("--drafter", default="", help="drafter replicas HOST:PORT[,HOST:PORT...]")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis for the registry and session checkpoints (default: in-process store)")
+    parser.add_argument("--tokenizer", default="verifier",
+                        help="bundled model name or checkpoint directory whose tokenizer (and EOS) to use")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="context limit (prompt + generated); default: the --tokenizer model's "
+                             "max_position_embeddings")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated coordinator↔verifier round trip")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="emulated RTT jitter (uniform, ± half each way)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=0.0,
+                        help="emulated link bandwidth; adds size/bandwidth per message (0 = unlimited)")
+    parser.add_argument("--link-seed", type=int, default=0, help="seed of the emulated jitter")
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registry TTL of a replica")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
+
+
+def parse_targets(text: str, flag: str) -> List[str]:
+    """'h:p,h:p' -> ['h:p', 'h:p'] (UsageError on a malformed entry)."""
+    targets = [t.strip() for t in (text or "").split(",") if t.strip()]
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise UsageError(f"{flag} expects HOST:PORT[,HOST:PORT...], got '{target}'")
+    return targets
+
+
+def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]]:
+    """The tokenizer of a model directory and its EOS ids (generation config, config, tokenizer)."""
+    if not name:
+        return None, ()
+    from steerspec.models.loading import load_tokenizer, resolve_model_dir
+
+    path = resolve_model_dir(name)
+    tokenizer = load_tokenizer(path)
+    return tokenizer, eos_ids_of(path, tokenizer)
+
+
+def context_of(name) -> Optional[int]:
+    """max_position_embeddings of a bundled name or checkpoint directory (None when unknown)."""
+    from steerspec.models.loading import resolve_model_dir
+
+    config = Path(resolve_model_dir(str(name))) / "config.json"
+    value = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    return int(value) if value else None
+
+
+def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
+    for fname in ("generation_config.json", "config.json"):
+        f = Path(path) / fname
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()
+
+
+async def _main(args) -> int:
+    from coordinator.server import Coordinator, serve
+    from coordinator.store import make_store
+    from steerspec.grpc_common import serve_until_signal
+    from steerspec.linkemu import LinkModel
+
+    tracer = None
+    if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from steerspec.tracing import get_tracer, instrument_grpc, setup_tracing
+
+        setup_tracing("steerspec-coordinator", trace_file=args.trace_file)
+        instrument_grpc()
+        tracer = get_tracer(__name__)
+    metrics = None
+    if args.metrics_port is not None:
+        from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
+
+        metrics = SteerSpecMetrics()
+        _, metrics_port = start_metrics_server(args.metrics_port, metrics.registry, addr=args.host)
+        print(f"steerspec coordinator metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    tokenizer, eos = load_tokenizer_and_eos(args.tokenizer)
+    max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
+    link = LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
+                     seed=args.link_seed).validate()
+    store = make_store(args.redis_url)
+    if args.redis_url:
+        try:
+            await store.ping()
+        except Exception as exc:
+            raise UsageError(f"cannot reach Redis at {args.redis_url}: {exc}") from None
+    coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
+                              drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
+                              eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
+                              max_length=max_length)
+    running = await serve(coordinator, host=args.host, port=args.port)
+    print(f"steerspec coordinator serving on {running.target}", flush=True)
+    await serve_until_signal(running, grace=args.grace_s)
+    return 0
+
+
+def run(args) -> int:
+    from steerspec.linkemu import LinkModel
+
+    parse_targets(args.verifier, "--verifier")
+    parse_targets(args.drafter, "--drafter")
+    LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps).validate()
+    if args.max_length is not None and args.max_length < 2:
+        raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
+    if args.heartbeat_ttl_s <= 0:
+        raise UsageError("--heartbeat-ttl-s must be > 0")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    return asyncio.run(_main(args))

@@ -1,0 +1,285 @@
+"""Client SDK for the coordinator's public API (exported as `steerspec.Client`).
+
+    from steerspec import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for item in client.generate("def fibonacci(n):", max_new_tokens=64, timeout=30):
+            if isinstance(item, Chunk):
+                print(item.text, end="", flush=True)
+            else:                      # the final Summary
+                print(item.block_efficiency, item.tokens_per_s)
+        text = client.generate_text("import os", max_new_tokens=32)
+
+    async for item in client.agenerate("class Queue:"): ...
+
+Deadlines: `timeout=` seconds for the whole generation (DEADLINE_EXCEEDED past it); the
+coordinator ends the session on every service when the deadline passes or the call is cancelled.
+
+Retries: on UNAVAILABLE the call is retried with exponential backoff (`retries`, `backoff_s`).
+Every call carries a session id (generated when not given); a retry after tokens have arrived
+asks the coordinator to resume that session, which streams the generation from its first token
+again; the client skips what it already yielded and checks that the replayed prefix matches, so
+no token is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
+
+import grpc
+
+from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one verifier round trip."""
+
+    seq: int
+    token_ids: List[int]
+    text: str
+    accepted: int
+    drafted: int
+
+
+@dataclass
+class Summary:
+    """The final message of a generation: its tokens, text and DESIGN.md metrics."""
+
+    session_id: str
+    token_ids: List[int]
+    text: str
+    rounds: int
+    drafted: int
+    accepted: int
+    block_efficiency: float
+    acceptance_rate: float
+    accepted_per_position: List[float]
+    tokens_per_s: float
+    rtt_ms: float
+    bytes_up: float
+    bytes_down: float
+    stage_ms: Dict[str, float]
+    wall_s: float
+    finish_reason: str
+    resumes: int
+    trace_id: str
+    retries: int = 0  # client-side reconnects of this call
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
+        s = msg.stage_ms
+        return cls(session_id=msg.session_id, token_ids=list(msg.token_ids), text=msg.text, rounds=msg.rounds,
+                   drafted=msg.drafted, accepted=msg.accepted, block_efficiency=msg.block_efficiency,
+                   acceptance_rate=msg.acceptance_rate, accepted_per_position=list(msg.accepted_per_position),
+                   tokens_per_s=msg.tokens_per_s, rtt_ms=msg.rtt_ms, bytes_up=msg.bytes_up,
+                   bytes_down=msg.bytes_down,
+                   stage_ms={"draft": s.draft_ms, "network": s.network_ms, "queue": s.queue_ms,
+                             "verify": s.verify_ms, "overhead": s.overhead_ms},
+                   wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
+                   retries=retries)
+
+
+Item = Union[Chunk, Summary]
+
+
+class ResumeMismatch(RuntimeError):
+    """A resumed session replayed tokens that differ from those already received."""
+
+
+def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
+             steering, session_id) -> coordinator_pb2.GenerateRequest:
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("pass exactly one of prompt (text) or prompt_ids")
+    return coordinator_pb2.GenerateRequest(
+        prompt=prompt or "", prompt_ids=list(prompt_ids or []), max_new_tokens=max_new_tokens,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed, k=k,
+        draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
+        session_id=session_id or uuid.uuid4().hex)
+
+
+class _Dedup:
+    """Turns possibly-replayed responses into the items the caller has not seen yet.
+
+    Every attempt streams the generation from its first token, so a position counter per attempt
+    tells which tokens (and which characters of text) were already delivered.
+    """
+
+    def __init__(self) -> None:
+        self.delivered: List[int] = []
+        self.delivered_chars = 0
+        self.position = 0  # tokens seen on the current attempt
+        self.char_position = 0  # text characters seen on the current attempt
+
+    def new_attempt(self) -> None:
+        self.position = self.char_position = 0
+
+    def feed(self, response: coordinator_pb2.GenerateResponse, retries: int) -> Optional[Item]:
+        if response.HasField("summary"):
+            return Summary.from_proto(response.summary, retries)
+        chunk = response.chunk
+        ids = list(chunk.token_ids)
+        start, self.position = self.position, self.position + len(ids)
+        overlap = max(0, min(len(self.delivered), self.position) - start)
+        if overlap and ids[:overlap] != self.delivered[start:start + overlap]:
+            raise ResumeMismatch("the resumed session replayed different tokens than were received "
+                                 "(it was not checkpointed); retry with a new session")
+        text_start, self.char_position = self.char_position, self.char_position + len(chunk.text)
+        text = chunk.text[max(0, min(self.delivered_chars, self.char_position) - text_start):]
+        fresh = ids[overlap:]
+        if not fresh:
+            return None
+        self.delivered.extend(fresh)
+        self.delivered_chars += len(text)
+        return Chunk(seq=chunk.seq, token_ids=fresh, text=text, accepted=chunk.accepted, drafted=chunk.drafted)
+
+
+class Client:
+    """A connection to a coordinator; `generate` (sync), `agenerate` (asyncio), `generate_text`."""
+
+    def __init__(self, target: str, *, retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 options: Optional[Sequence] = None) -> None:
+        self.target = target
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._options = list(options or [("grpc.max_receive_message_length", 64 << 20)])
+        self._channel: Optional[grpc.Channel] = None
+        self._achannels: Dict[int, grpc.aio.Channel] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    async def aclose(self) -> None:
+        channels, self._achannels = list(self._achannels.values()), {}
+        for channel in channels:
+            await channel.close()
+        self.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.target, options=self._options)
+        return coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    def _astub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        loop_id = id(asyncio.get_running_loop())
+        channel = self._achannels.get(loop_id)
+        if channel is None:
+            channel = self._achannels[loop_id] = grpc.aio.insecure_channel(self.target, options=self._options)
+        return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+    def _backoff(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
+        return base * (0.5 + random.random() / 2)
+
+    # -- calls ------------------------------------------------------------------------------
+    def generate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
+                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, k: int = 4, draft_top_k: int = 64, mode: str = "speculative", policy: str = "fixed",
+                 steering: bool = False, session_id: Optional[str] = None,
+                 timeout: Optional[float] = None) -> Iterator[Item]:
+        """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator)."""
+        request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, k=k, draft_top_k=draft_top_k, mode=mode, policy=policy,
+                           steering=steering, session_id=session_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        dedup = _Dedup()
+        attempt = 0
+        while True:
+            dedup.new_attempt()
+            left = None if deadline is None else deadline - time.monotonic()
+            call = self._stub().Generate(request, timeout=left)
+            try:
+                for response in call:
+                    item = dedup.feed(response, attempt)
+                    if item is not None:
+                        yield item
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                pause = self._backoff(attempt)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise
+                attempt += 1
+                time.sleep(pause)
+            finally:
+                call.cancel()
+
+    async def agenerate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
+                        max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        seed: int = 0, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
+                        policy: str = "fixed", steering: bool = False, session_id: Optional[str] = None,
+                        timeout: Optional[float] = None) -> AsyncIterator[Item]:
+        """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
+        request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, k=k, draft_top_k=draft_top_k, mode=mode, policy=policy,
+                           steering=steering, session_id=session_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        dedup = _Dedup()
+        attempt = 0
+        while True:
+            dedup.new_attempt()
+            left = None if deadline is None else deadline - time.monotonic()
+            call = self._astub().Generate(request, timeout=left)
+            try:
+                async for response in call:
+                    item = dedup.feed(response, attempt)
+                    if item is not None:
+                        yield item
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                pause = self._backoff(attempt)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise
+                attempt += 1
+                await asyncio.sleep(pause)
+            finally:
+                call.cancel()
+
+    def generate_text(self, prompt: Optional[str] = None, **kwargs) -> str:
+        """The generated text only (blocks until the generation ends)."""
+        return self.complete(prompt, **kwargs).text
+
+    def complete(self, prompt: Optional[str] = None, **kwargs) -> Summary:
+        """Run a generation to the end and return its Summary."""
+        summary = None
+        for item in self.generate(prompt, **kwargs):
+            if isinstance(item, Summary):
+                summary = item
+        if summary is None:
+            raise RuntimeError("the coordinator ended the stream without a summary")
+        return summary
+
+    async def acomplete(self, prompt: Optional[str] = None, **kwargs) -> Summary:
+        summary = None
+        async for item in self.agenerate(prompt, **kwargs):
+            if isinstance(item, Summary):
+                summary = item
+        if summary is None:
+            raise RuntimeError("the coordinator ended the stream without a summary")
+        return summary

@@ -1,0 +1,491 @@
+"""The round-trip loop of one session: drafter block → verifier → result → commit → stream → feedback.
+
+    open Verify stream (VerifyOpen: prompt, sampling)      → VerifyReady (steering for block 1)
+    open Draft stream  (DraftOpen: prompt, steering)       → DraftBlock
+    repeat:  DraftBlock ─(emulated uplink)→ verifier       → VerifyResult ─(emulated downlink)→
+             commit d_1..d_a + next token (checkpoint, fire-and-forget), feed the result back to the
+             drafter (want_block=False on the last block), stream a chunk to the caller.
+
+Autoregressive mode (and a session that lost its last drafter) sends 0-length blocks: one verifier
+round trip per token over the same link; the verifier's next token of an empty block is its own
+sampled token.
+
+Failover: a replica that fails (UNAVAILABLE, or its stream ends without a status) is dropped from
+the registry, the session is re-placed and both streams are reopened from the committed prefix
+(prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
+replaced by another, or by verifier-only decoding when none is left.
+
+Per block it records rtt_ms (verifier send → result, emulated link included), draft_ms (asking
+the drafter → its block arriving: drafter compute and queueing plus the local hop;
+draft_compute_ms is the drafter's own compute report), network_ms (emulated delay actually spent),
+queue_ms and verify_ms (the verifier's own report), overhead_ms (the rest of the block's cycle,
+which runs from asking for the draft to feeding the result back: the verifier hop's gRPC and
+protobuf cost and the coordinator's own work) and bytes_up / bytes_down (serialized sizes of the
+block and the result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+import grpc
+
+from coordinator.placement import Placer
+from coordinator.results import BlockStats, Chunk, DistributedResult, block_span
+from coordinator.store import InProcessStore, Store
+from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
+from steerspec.linkemu import NO_LINK, LinkModel
+from steerspec.policies.base import MAX_K
+from steerspec.sampling import SamplingParams
+from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+log = logging.getLogger(__name__)
+
+MODES = ("speculative", "autoregressive")
+MAX_NEW_TOKENS = 1 << 16
+
+
+class ContextFull(Exception):
+    """A replica has no room for another block (OUT_OF_RANGE): the session ends with "context"."""
+
+
+def _stream_error(kind: str, address: str, error: common_pb2.StreamError) -> Exception:
+    """A StreamError reply as an exception: OUT_OF_RANGE ends the generation at the context limit,
+    anything else ends the session with that status code."""
+    code = status_from_code(error.code)
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return ContextFull(f"{kind} {address}: {error.message}")
+    return SessionError(code, f"{kind} {address}: {error.message}")
+
+
+def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
+    """Keep at most k draft tokens (and their rows of q) so the block fits the session's room."""
+    k = max(k, 0)
+    if len(block.draft_ids) <= k:
+        return
+    del block.draft_ids[k:]
+    if block.HasField("q"):
+        if k == 0:
+            block.ClearField("q")
+        else:
+            support = block.q.support
+            del block.q.ids[k * support:]
+            block.q.probs = block.q.probs[:k * support * 2]  # fp16 rows
+
+
+def _invalid(message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class SessionRequest:
+    """What one generation asks for (the GenerateRequest, tokenised)."""
+
+    prompt_ids: List[int]
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    seed: int = 0
+    k: int = 4
+    draft_top_k: int = 64
+    mode: str = "speculative"
+    policy: str = "fixed"
+    steering: bool = False
+    session_id: str = ""
+
+    def validate(self) -> "SessionRequest":
+        """Check every field (SessionError INVALID_ARGUMENT naming the bad one); assign a session id."""
+        if not self.prompt_ids:
+            raise _invalid("the prompt is empty: send a non-empty prompt or prompt_ids")
+        if any(int(t) < 0 for t in self.prompt_ids):
+            raise _invalid("prompt_ids must be non-negative token ids")
+        if not (1 <= self.max_new_tokens <= MAX_NEW_TOKENS):
+            raise _invalid(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+        if self.mode not in MODES:
+            raise _invalid(f"unknown mode '{self.mode}': use one of {', '.join(MODES)}")
+        if self.mode == "speculative" and not (1 <= self.k <= MAX_K):
+            raise _invalid(f"k must be in [1, {MAX_K}], got {self.k}")
+        if self.draft_top_k < 0:
+            raise _invalid(f"draft_top_k must be >= 0 (0 = full vocabulary), got {self.draft_top_k}")
+        try:
+            self.sampling.validate()
+        except ValueError as exc:
+            raise _invalid(str(exc)) from None
+        if not self.session_id:
+            self.session_id = uuid.uuid4().hex
+        return self
+
+    def params(self) -> Dict[str, object]:
+        """JSON-ready record of the request (the session's checkpointed parameters)."""
+        return {"prompt_ids": [int(t) for t in self.prompt_ids], "max_new_tokens": self.max_new_tokens,
+                "temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
+                "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
+                "mode": self.mode, "policy": self.policy, "steering": self.steering}
+
+    @classmethod
+    def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
+        return cls(prompt_ids=list(p["prompt_ids"]), max_new_tokens=int(p["max_new_tokens"]),
+                   sampling=SamplingParams(float(p["temperature"]), int(p["top_k"]), float(p["top_p"])),
+                   seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
+                   policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id)
+
+    def sampling_proto(self) -> common_pb2.SamplingParams:
+        s = self.sampling
+        return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+
+@dataclass
+class LoopConfig:
+    """What a coordinator gives every session loop."""
+
+    placer: Placer
+    channels: Channels
+    store: Store = field(default_factory=InProcessStore)
+    link: LinkModel = NO_LINK
+    eos_ids: Sequence[int] = ()
+    max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it (None: the replicas')
+    max_resumes: int = 4  # replica failures one session survives
+    metrics: object = None  # steerspec.telemetry.SteerSpecMetrics or None
+    tracer: object = None  # an OpenTelemetry tracer or None
+
+
+class SessionLoop:
+    """Drive one session; iterate `run()` for chunks, then read `result`."""
+
+    def __init__(self, request: SessionRequest, config: LoopConfig, deadline: Optional[float] = None,
+                 generated: Sequence[int] = (), resumes: int = 0) -> None:
+        self.req = request
+        self.cfg = config
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.prompt = [int(t) for t in request.prompt_ids]
+        self.generated: List[int] = [int(t) for t in generated]
+        self.result = DistributedResult(token_ids=self.generated, mode=request.mode,
+                                        prompt_tokens=len(self.prompt), session_id=request.session_id,
+                                        resumes=resumes, restored=len(self.generated))
+        self.link = config.link.link(request.session_id)
+        self.verifier: Optional[Stream] = None
+        self.drafter: Optional[Stream] = None
+        self.use_drafter = request.mode == "speculative"
+        self.steering: Optional[common_pb2.Tensor] = None
+        self.verify_seq = 0  # seq of the next block on the current verifier stream
+        self.failed: Dict[str, set] = {"verifier": set(), "drafter": set()}
+        self._placed: List[tuple] = []
+        self._drafter_ok = False  # the drafter stream is in step with the committed prefix
+        self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
+
+    # -- helpers ----------------------------------------------------------------------------
+    @property
+    def committed(self) -> List[int]:
+        return self.prompt + self.generated
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_new_tokens - len(self.generated)
+
+    @property
+    def room(self) -> int:
+        """Tokens the session may still commit: its budget, capped by the context limit."""
+        if self.cfg.max_length is None:
+            return self.remaining
+        return min(self.remaining, self.cfg.max_length - self.committed_length)
+
+    def _stream_seed(self) -> int:
+        """The seed for (re)opened streams: the request's, or for a resumed session one derived from it
+        and the committed length, so random draws after a failover are fresh rather than replayed."""
+        seed = int(self.req.seed)
+        if self.generated:
+            seed = (seed * 1_000_003 + self.committed_length) % (2**63)
+        if self.req.mode == "autoregressive":
+            # The verifier seeds its stream with seed + 1 (the drafter has seed); verifier-only decoding
+            # samples directly with the seed itself, as the in-process engine does.
+            seed = (seed - 1) % (2**63)
+        return seed
+
+    def _timeout(self) -> Optional[float]:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation's deadline passed")
+        return left
+
+    async def _place(self, kind: str) -> Optional[str]:
+        address = await self.cfg.placer.choose(kind, exclude=self.failed[kind])
+        if address is not None:
+            self.cfg.placer.acquire(kind, address)
+            self._placed.append((kind, address))
+        return address
+
+    def _unplace(self, kind: str, address: str) -> None:
+        if (kind, address) in self._placed:
+            self._placed.remove((kind, address))
+            self.cfg.placer.release(kind, address)
+
+    async def _replica_lost(self, lost: ReplicaLost) -> None:
+        self._timeout()  # past the deadline, a failure is the deadline's, not the replica's
+        log.warning("session %s: lost %s", self.req.session_id, lost)
+        self.failed[lost.kind].add(lost.address)
+        self._unplace(lost.kind, lost.address)
+        await self.cfg.placer.mark_failed(lost.kind, lost.address)
+        self._count_resume()
+
+    async def _checkpoint_placement(self) -> None:
+        placement = {"verifier": self.verifier.address if self.verifier else "",
+                     "drafter": self.drafter.address if (self.drafter and self.use_drafter) else ""}
+        await self.cfg.store.set_placement(self.req.session_id, placement)
+
+    # -- streams ----------------------------------------------------------------------------
+    async def _open_verifier(self) -> None:
+        while True:
+            address = await self._place("verifier")
+            if address is None:
+                raise SessionError(grpc.StatusCode.UNAVAILABLE,
+                                   "no live verifier replica: start one with `steerspec serve verifier --port ...` "
+                                   "and pass it to the coordinator with --verifier HOST:PORT")
+            call = self.cfg.channels.verifier(address).Verify(timeout=self._timeout())
+            stream = Stream("verifier", address, call)
+            opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
+                session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
+                seed=self._stream_seed(), max_k=self.req.k if self.use_drafter else 0, steering=self.req.steering))
+            try:
+                await self.link.up(opening.ByteSize())  # the open crosses the emulated link too
+                await stream.write(opening)
+                reply = await stream.read()
+                await self.link.down(reply.ByteSize())
+            except ReplicaLost as lost:
+                stream.abort()
+                await self._replica_lost(lost)
+                continue
+            except BaseException:
+                stream.abort()
+                raise
+            kind = reply.WhichOneof("kind")
+            if kind == "error":
+                stream.abort()
+                raise SessionError(status_from_code(reply.error.code), f"verifier: {reply.error.message}")
+            if kind != "ready":
+                stream.abort()
+                raise SessionError(grpc.StatusCode.INTERNAL, f"verifier {address} answered the open with '{kind}'")
+            self.verifier = stream
+            self.verify_seq = 0
+            self.steering = reply.ready.steering if reply.ready.HasField("steering") else None
+            return
+
+    async def _open_drafter(self) -> None:
+        """(Re)open the drafter from the committed prefix; verifier-only decoding when none is left."""
+        if self.drafter is not None:
+            self.drafter.abort()
+            self._unplace("drafter", self.drafter.address)
+            self.drafter = None
+        self._drafter_ok = False
+        while self.use_drafter:
+            address = await self._place("drafter")
+            if address is None:
+                log.warning("session %s: no drafter left, continuing verifier-only", self.req.session_id)
+                self.use_drafter = False
+                if self.verifier is not None:
+                    await self._checkpoint_placement()
+                return
+            call = self.cfg.channels.drafter(address).Draft(timeout=self._timeout())
+            stream = Stream("drafter", address, call)
+            opening = drafter_pb2.DraftOpen(
+                session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
+                seed=self._stream_seed(), k=self.req.k, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
+                max_new_tokens=self.remaining)
+            if self.steering is not None:
+                opening.steering.CopyFrom(self.steering)
+            try:
+                await stream.write(drafter_pb2.DraftRequest(open=opening))
+                self._draft_asked = time.perf_counter()
+            except ReplicaLost as lost:
+                stream.abort()
+                await self._replica_lost(lost)
+                continue
+            self.drafter = stream
+            self._drafter_ok = True
+            if self.verifier is not None and self.result.resumes:
+                await self._checkpoint_placement()  # re-placed after a failure
+            return
+
+    async def _next_block(self) -> Tuple[common_pb2.DraftBlock, float]:
+        """The next block to verify and when it was asked for: the drafter's (asked when the open or
+        the last feedback went out), or a 0-length block (verifier-only; asked now)."""
+        while self.use_drafter:
+            if not self._drafter_ok:
+                await self._open_drafter()
+                continue
+            try:
+                reply = await self.drafter.read()
+            except ReplicaLost as lost:
+                await self._replica_lost(lost)
+                await self._open_drafter()
+                continue
+            kind = reply.WhichOneof("kind")
+            if kind == "error":
+                raise _stream_error("drafter", self.drafter.address, reply.error)
+            block = reply.block
+            if block.committed_length != self.committed_length:
+                raise SessionError(grpc.StatusCode.INTERNAL,
+                                   f"drafter {self.drafter.address} drafted from {block.committed_length} committed "
+                                   f"tokens, the session has {self.committed_length}")
+            return block, self._draft_asked
+        return common_pb2.DraftBlock(committed_length=self.committed_length), time.perf_counter()
+
+    async def _verify(self, block: common_pb2.DraftBlock):
+        """One round trip on the verifier stream over the emulated link -> (result, timings)."""
+        request = verifier_pb2.VerifyRequest(block=block)  # a copy: the drafter's own seq stays on `block`
+        request.block.seq = self.verify_seq
+        bytes_up = request.ByteSize()
+        start = time.perf_counter()
+        network = await self.link.up(bytes_up)
+        await self.verifier.write(request)
+        reply = await self.verifier.read()
+        bytes_down = reply.ByteSize()
+        network += await self.link.down(bytes_down)
+        rtt_ms = (time.perf_counter() - start) * 1000.0
+        kind = reply.WhichOneof("kind")
+        if kind == "error":
+            raise _stream_error("verifier", self.verifier.address, reply.error)
+        if kind != "result":
+            raise SessionError(grpc.StatusCode.INTERNAL, f"verifier answered a block with '{kind}'")
+        result = reply.result
+        self.verify_seq += 1
+        return result, rtt_ms, network * 1000.0, bytes_up, bytes_down
+
+    def _count_resume(self) -> None:
+        self.result.resumes += 1
+        if self.result.resumes > self.cfg.max_resumes:
+            raise SessionError(grpc.StatusCode.UNAVAILABLE,
+                               f"gave up after {self.cfg.max_resumes} replica failures in one session")
+
+    async def _failover_verifier(self, lost: ReplicaLost) -> None:
+        if self.verifier is not None:
+            self.verifier.abort()
+        self.verifier = None
+        await self._replica_lost(lost)
+        await self._open_verifier()
+        if self.use_drafter:
+            await self._open_drafter()  # its cache holds uncommitted drafts: start it over from the prefix
+        await self._checkpoint_placement()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def run(self) -> AsyncIterator[Chunk]:
+        start = time.perf_counter()
+        store = self.cfg.store
+        try:
+            await self._open_verifier()
+            if self.use_drafter:
+                await self._open_drafter()
+            await self._checkpoint_placement()
+            finish = "length" if self.remaining <= 0 else ("context" if self.room <= 0 else "")
+            while not finish:
+                try:
+                    block, cycle_start = await self._next_block()
+                    _truncate_block(block, self.room - 1)  # a block commits at most k + 1 tokens
+                    draft_wait_ms = (time.perf_counter() - cycle_start) * 1000.0
+                    result, rtt_ms, network_ms, bytes_up, bytes_down = await self._verify(block)
+                except ReplicaLost as lost:
+                    if lost.kind != "verifier":
+                        raise
+                    await self._failover_verifier(lost)
+                    continue
+                except ContextFull as full:
+                    log.info("session %s: %s", self.req.session_id, full)
+                    finish = "context"
+                    break
+                drafted = len(block.draft_ids)
+                accepted = int(result.accepted)
+                if accepted > drafted or result.committed_length != self.committed_length + accepted + 1:
+                    raise SessionError(grpc.StatusCode.INTERNAL,
+                                       f"verifier result does not match the block (accepted {accepted} of {drafted}, "
+                                       f"committed_length {result.committed_length})")
+                new = [int(t) for t in block.draft_ids[:accepted]] + [int(result.next_token)]
+                room = self.room
+                new = new[:room]
+                eos = next((i for i, t in enumerate(new) if t in self.cfg.eos_ids), None)
+                if eos is not None:
+                    new = new[:eos + 1]
+                    finish = "eos"
+                elif len(new) >= room:
+                    finish = "length" if room >= self.remaining else "context"
+                self.generated.extend(new)
+                if result.HasField("steering"):
+                    self.steering = result.steering
+                if self.use_drafter and self._drafter_ok:
+                    result.seq = block.seq  # hand the drafter back its own numbering
+                    try:
+                        await self.drafter.write(drafter_pb2.DraftRequest(
+                            feedback=drafter_pb2.DraftFeedback(result=result, want_block=not finish)))
+                        self._draft_asked = time.perf_counter()
+                    except ReplicaLost as lost:
+                        await self._replica_lost(lost)
+                        self._drafter_ok = False  # reopened from the committed prefix before the next block
+                store.append_tokens(self.req.session_id, new)
+                stats = BlockStats(
+                    seq=self.result.rounds, drafted=drafted, accepted=accepted, committed=len(new), rtt_ms=rtt_ms,
+                    draft_ms=draft_wait_ms, draft_compute_ms=float(block.draft_ms), network_ms=network_ms, queue_ms=float(result.queue_ms),
+                    verify_ms=float(result.verify_ms), cycle_ms=(time.perf_counter() - cycle_start) * 1000.0,
+                    bytes_up=bytes_up, bytes_down=bytes_down, batch_size=int(result.batch_size),
+                    verifier=self.verifier.address)
+                self._record(stats)
+                yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted, drafted=drafted)
+            self.result.stop_reason = finish
+        finally:
+            self.result.wall_s = time.perf_counter() - start
+            await self._close_streams()
+            for kind, address in list(self._placed):
+                self._unplace(kind, address)
+
+    def _record(self, stats: BlockStats) -> None:
+        r = self.result
+        r.rounds += 1
+        r.drafted += stats.drafted
+        r.accepted += stats.accepted
+        r.block_drafted.append(stats.drafted)
+        r.block_accepted.append(stats.accepted)
+        r.draft_s += stats.draft_ms / 1000.0
+        r.verify_s += stats.verify_ms / 1000.0
+        r.blocks.append(stats)
+        metrics = self.cfg.metrics
+        if metrics is not None:
+            from steerspec.tracing import BlockStages
+
+            metrics.observe_block(drafted=stats.drafted, accepted=stats.accepted,
+                                  stages=BlockStages(rtt_ms=stats.cycle_ms, draft_ms=stats.draft_ms,
+                                                     network_ms=stats.network_ms, queue_ms=stats.queue_ms,
+                                                     verify_ms=stats.verify_ms),
+                                  bytes_up=stats.bytes_up, bytes_down=stats.bytes_down)
+        tracer = self.cfg.tracer
+        if tracer is not None:
+            block_span(tracer, stats)
+
+    async def _close_streams(self) -> None:
+        """End both streams (cancel when unwinding from an error or a cancellation)."""
+        streams = [s for s in (self.drafter, self.verifier) if s is not None]
+        self.drafter = self.verifier = None
+        failing = asyncio.current_task() is not None and asyncio.current_task().cancelling()
+        closes = []
+        for stream in streams:
+            if failing:
+                stream.abort()
+            elif stream.kind == "drafter":
+                closes.append(stream.close(drafter_pb2.DraftRequest(close=drafter_pb2.DraftClose(reason="done"))))
+            else:
+                closes.append(stream.close(verifier_pb2.VerifyRequest(close=verifier_pb2.VerifyClose(reason="done"))))
+        if closes:
+            try:
+                await asyncio.gather(*closes)
+            except BaseException:
+                for stream in streams:
+                    stream.abort()
+                raise
+
+

@@ -1,0 +1,61 @@
+"""Placement: pick a drafter and a verifier replica for a session from the registry.
+
+Least loaded first: load is the number of sessions this coordinator has on the replica plus the
+`active_sessions` the replica last reported in its registry metadata (when it reports it); ties go
+round robin, so equal replicas share sessions evenly. Replicas that are not live in the registry,
+and those the caller excludes (seen failing), are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Iterable, Optional
+
+from coordinator.store import Store
+
+
+class NoReplica(RuntimeError):
+    """No live replica of the requested kind (the coordinator answers UNAVAILABLE)."""
+
+
+class Placer:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.in_use: Counter = Counter()  # (kind, address) -> sessions placed by this coordinator
+        self._turn = itertools.count()
+
+    async def choose(self, kind: str, exclude: Iterable[str] = ()) -> Optional[str]:
+        """The least loaded live replica of `kind` not in `exclude`, or None."""
+        skip = set(exclude)
+        live = [e for e in await self.store.live(kind) if e.address not in skip]
+        if not live:
+            return None
+
+        def load(endpoint) -> int:
+            reported = endpoint.meta.get("active_sessions", 0) if isinstance(endpoint.meta, dict) else 0
+            return self.in_use[(kind, endpoint.address)] + int(reported or 0)
+
+        least = min(load(e) for e in live)
+        tied = [e.address for e in live if load(e) == least]
+        return tied[next(self._turn) % len(tied)]
+
+    async def require(self, kind: str, exclude: Iterable[str] = ()) -> str:
+        address = await self.choose(kind, exclude)
+        if address is None:
+            raise NoReplica(f"no live {kind} replica (registered replicas failed or expired); "
+                            f"start one with `steerspec serve {kind} --port ...`")
+        return address
+
+    def acquire(self, kind: str, address: str) -> None:
+        self.in_use[(kind, address)] += 1
+
+    def release(self, kind: str, address: str) -> None:
+        key = (kind, address)
+        self.in_use[key] -= 1
+        if self.in_use[key] <= 0:
+            del self.in_use[key]
+
+    async def mark_failed(self, kind: str, address: str) -> None:
+        """A replica that failed mid-session: drop it from the registry until it heartbeats again."""
+        await self.store.expire(kind, address)

@@ -1,0 +1,396 @@
+"""SteerSpec on Ray: verifier, drafter and coordinator actors, each serving gRPC from inside the actor.
+
+Placement (custom resources; DESIGN.md "Ray actors with resource requests"):
+
+- ``VerifierActor``    requests ``{"verifier": 1}``  → a verifier node;
+- ``DrafterActor``     requests ``{"edge": 0.5}``    → an edge node;
+- ``CoordinatorActor`` requests ``{"edge": 0.5}`` *and* hard node affinity to its drafter's node,
+  so the only remote hop of a session is coordinator → verifier. One ``edge`` unit = one
+  drafter + coordinator pair.
+
+The actor classes carry no custom resources by themselves (so a plain ``ray.init()`` can run
+them, as ``steerspec run --transport grpc`` does); ``deploy`` / ``deploy_local`` apply the
+placement with ``.options(...)``. Every actor is an asyncio actor: ``start()`` starts its
+``grpc.aio`` server in the actor's event loop (``host`` 127.0.0.1 by default, port 0) and returns
+``"host:port"``; ``stop()`` shuts it down gracefully; ``node_id()`` says where it runs.
+
+    python -m coordinator.ray_app --address auto --detached --host node --drafters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray binds 127.0.0.1
+
+import ray  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+EDGE = "edge"
+VERIFIER = "verifier"
+EDGE_SHARE = 0.5  # drafter and coordinator each take half an `edge` unit
+NAMESPACE = "steerspec"
+
+
+def _bind_host(host: str) -> str:
+    """'node' -> this node's IP (for real clusters); anything else is used as given."""
+    if host == "node":
+        return ray.util.get_node_ip_address()
+    return host
+
+
+def _setup_observability(service: str, trace_file: Optional[str]) -> bool:
+    """Tracing in this actor process when asked for (file or OTLP env); True when enabled."""
+    if not (trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return False
+    from steerspec.tracing import instrument_grpc, setup_tracing
+
+    setup_tracing(service, trace_file=trace_file)
+    instrument_grpc()
+    return True
+
+
+def _threads(num_threads: int) -> None:
+    if num_threads > 0:
+        import torch
+
+        torch.set_num_threads(num_threads)
+
+
+class _ServerActor:
+    """Shared parts: the running server, its address, graceful stop, where it runs."""
+
+    running = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def target(self) -> str:
+        return self.running.target if self.running is not None else ""
+
+    async def stop(self, grace: float = 1.0) -> bool:
+        running, self.running = self.running, None
+        if running is not None:
+            await running.stop(grace=grace)
+        try:
+            from steerspec.tracing import flush_tracing
+
+            flush_tracing()
+        except Exception:  # tracing is optional here
+            pass
+        return running is not None
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class VerifierActor(_ServerActor):
+    """The verifier service (model + session table + batcher) served from this actor."""
+
+    def __init__(self, model: str = "verifier", dtype: str = "float32", device: str = "cpu",
+                 host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
+                 num_threads: int = 0, options: Optional[Dict[str, object]] = None,
+                 device_map: Optional[str] = None, steering_head: Optional[str] = None) -> None:
+        self.model_name, self.dtype, self.device = model, dtype, device
+        self.device_map, self.steering_head = device_map, steering_head
+        self.host, self.port, self.trace_file = host, port, trace_file
+        self.num_threads = num_threads
+        self.options = dict(options or {})
+        self.servicer = None
+
+    async def start(self) -> str:
+        if self.running is not None:
+            return self.running.target
+        _threads(self.num_threads)
+        _setup_observability("steerspec-verifier", self.trace_file)
+        from verifier_service.cli import load_head, load_verifier
+        from verifier_service.server import VerifierConfig, serve
+
+        model = load_verifier(self.model_name, self.dtype, self.device, self.device_map)
+        head = load_head(self.steering_head, model.device) if self.steering_head else None
+        config = VerifierConfig(replica=f"ray-verifier-{os.getpid()}", model_name=str(self.model_name), **self.options)
+        self.running, self.servicer = await serve(model, config, host=_bind_host(self.host), port=self.port,
+                                                  steering_head=head)
+        return self.running.target
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class DrafterActor(_ServerActor):
+    """The drafter service served from this actor (an edge node)."""
+
+    def __init__(self, model: str = "pretrained", dtype: str = "float32", device: str = "cpu",
+                 host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
+                 num_threads: int = 0, options: Optional[Dict[str, object]] = None,
+                 steering: str = "auto") -> None:
+        self.model_name, self.dtype, self.device = model, dtype, device
+        self.steering = steering
+        self.host, self.port, self.trace_file = host, port, trace_file
+        self.num_threads = num_threads
+        self.options = dict(options or {})
+        self.servicer = None
+
+    async def start(self) -> str:
+        if self.running is not None:
+            return self.running.target
+        _threads(self.num_threads)
+        _setup_observability("steerspec-drafter", self.trace_file)
+        from drafter_service.cli import load_drafter
+        from drafter_service.server import DrafterConfig, serve
+
+        model, hooks = load_drafter(self.model_name, self.dtype, self.device, self.steering)
+        config = DrafterConfig(model_name=str(self.model_name), **self.options)
+        self.running, self.servicer = await serve(model, config, host=_bind_host(self.host), port=self.port,
+                                                  hooks=hooks)
+        return self.running.target
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class CoordinatorActor(_ServerActor):
+    """The coordinator (public Generate API) served from this actor, next to its drafter."""
+
+    def __init__(self, verifiers: Sequence[str] = (), drafters: Sequence[str] = (), tokenizer: Optional[str] = "verifier",
+                 rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0, link_seed: int = 0,
+                 host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
+                 trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
+                 heartbeat_ttl_s: float = 5.0) -> None:
+        self.verifiers, self.drafters = list(verifiers), list(drafters)
+        self.tokenizer_name = tokenizer
+        self.link_args = dict(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, seed=link_seed)
+        self.host, self.port, self.redis_url = host, port, redis_url
+        self.trace_file, self.metrics_port = trace_file, metrics_port
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.metrics_server = None
+        self.metrics_address = ""
+
+    async def start(self) -> str:
+        if self.running is not None:
+            return self.running.target
+        from coordinator.cli import load_tokenizer_and_eos
+        from coordinator.server import Coordinator, serve
+        from coordinator.store import make_store
+        from steerspec.linkemu import LinkModel
+
+        host = _bind_host(self.host)
+        tracer = None
+        if _setup_observability("steerspec-coordinator", self.trace_file):
+            from steerspec.tracing import get_tracer
+
+            tracer = get_tracer("coordinator")
+        metrics = None
+        if self.metrics_port is not None:
+            from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
+
+            metrics = SteerSpecMetrics()
+            self.metrics_server, port = start_metrics_server(self.metrics_port, metrics.registry, addr=host)
+            self.metrics_address = f"{host}:{port}"
+        tokenizer, eos = load_tokenizer_and_eos(self.tokenizer_name)
+        coordinator = Coordinator(store=make_store(self.redis_url), verifiers=self.verifiers, drafters=self.drafters,
+                                  link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
+                                  metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s)
+        self.running = await serve(coordinator, host=host, port=self.port)
+        return self.running.target
+
+    def metrics_target(self) -> str:
+        return self.metrics_address
+
+    async def stop(self, grace: float = 1.0) -> bool:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server = None
+        return await super().stop(grace)
+
+
+# ------------------------------------------------------------------------------------ placement
+
+
+def placement_options(kind: str, node_id: Optional[str] = None, num_gpus: float = 0,
+                      name: Optional[str] = None, detached: bool = False) -> Dict[str, object]:
+    """`.options(...)` for an actor of `kind` ("verifier" | "drafter" | "coordinator")."""
+    if kind == "verifier":
+        options: Dict[str, object] = {"resources": {VERIFIER: 1}}
+    elif kind in ("drafter", "coordinator"):
+        options = {"resources": {EDGE: EDGE_SHARE}}
+    else:
+        raise ValueError(f"unknown actor kind {kind!r}")
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    if node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    if name:
+        options["name"] = name
+        options["namespace"] = NAMESPACE
+    if detached:
+        options["lifetime"] = "detached"
+    return options
+
+
+@dataclass
+class Deployment:
+    """Handles and addresses of one deployment (a verifier and drafter+coordinator pairs)."""
+
+    verifier: object
+    verifier_target: str
+    drafters: List[object] = field(default_factory=list)
+    drafter_targets: List[str] = field(default_factory=list)
+    coordinators: List[object] = field(default_factory=list)
+    coordinator_targets: List[str] = field(default_factory=list)
+
+    @property
+    def coordinator_target(self) -> str:
+        return self.coordinator_targets[0]
+
+    def actors(self) -> List[object]:
+        return [*self.coordinators, *self.drafters, self.verifier]
+
+    def nodes(self, timeout: float = 60) -> Dict[str, List[str]]:
+        """Node id of every actor: {"verifier": [...], "drafter": [...], "coordinator": [...]}."""
+        return {
+            "verifier": [ray.get(self.verifier.node_id.remote(), timeout=timeout)],
+            "drafter": ray.get([a.node_id.remote() for a in self.drafters], timeout=timeout),
+            "coordinator": ray.get([a.node_id.remote() for a in self.coordinators], timeout=timeout),
+        }
+
+    def shutdown(self, timeout: float = 30) -> None:
+        """Stop every server gracefully, then kill the actors."""
+        for actor in self.actors():
+            try:
+                ray.get(actor.stop.remote(), timeout=timeout)
+            except Exception:  # keep stopping the others
+                pass
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+
+
+def deploy(
+    verifier: str = "verifier",
+    drafter: str = "pretrained",
+    drafters: int = 1,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    host: str = "127.0.0.1",
+    tokenizer: Optional[str] = None,
+    rtt_ms: float = 0.0,
+    jitter_ms: float = 0.0,
+    bandwidth_mbps: float = 0.0,
+    link_seed: int = 0,
+    redis_url: Optional[str] = None,
+    trace_file: Optional[str] = None,
+    metrics_port: Optional[int] = None,
+    coordinator_port: int = 0,
+    verifier_port: int = 0,
+    verifier_gpus: float = 0,
+    drafter_gpus: float = 0,
+    num_threads: int = 0,
+    device_map: Optional[str] = None,
+    steering_head: Optional[str] = None,
+    detached: bool = False,
+    timeout: float = 300,
+) -> Deployment:
+    """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
+
+    Each coordinator is pinned (hard node affinity) to the node its drafter landed on. Ray must be
+    initialised (``ray.init(address=...)``). Returns once every server answers with its address.
+    """
+    name = (lambda base: base) if detached else (lambda base: None)
+    common = dict(dtype=dtype, device=device, host=host, trace_file=trace_file, num_threads=num_threads)
+    v_actor = VerifierActor.options(**placement_options("verifier", num_gpus=verifier_gpus,
+                                                        name=name("steerspec-verifier-0"), detached=detached)
+                                    ).remote(model=verifier, port=verifier_port, device_map=device_map,
+                                             steering_head=steering_head, **common)
+    d_actors = [DrafterActor.options(**placement_options("drafter", num_gpus=drafter_gpus,
+                                                         name=name(f"steerspec-drafter-{i}"), detached=detached)
+                                     ).remote(model=drafter, **common)
+                for i in range(drafters)]
+    deployment = Deployment(verifier=v_actor, verifier_target="", drafters=d_actors)
+    try:
+        deployment.verifier_target = ray.get(v_actor.start.remote(), timeout=timeout)
+        deployment.drafter_targets = ray.get([a.start.remote() for a in d_actors], timeout=timeout)
+        drafter_nodes = ray.get([a.node_id.remote() for a in d_actors], timeout=timeout)
+        for i, (d_target, node) in enumerate(zip(deployment.drafter_targets, drafter_nodes)):
+            port = coordinator_port + i if coordinator_port else 0
+            m_port = metrics_port + i if metrics_port else metrics_port
+            c_actor = CoordinatorActor.options(
+                **placement_options("coordinator", node_id=node, name=name(f"steerspec-coordinator-{i}"),
+                                    detached=detached)
+            ).remote(verifiers=[deployment.verifier_target], drafters=[d_target],
+                     tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
+                     bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
+                     redis_url=redis_url, trace_file=trace_file, metrics_port=m_port)
+            deployment.coordinators.append(c_actor)
+        deployment.coordinator_targets = ray.get([c.start.remote() for c in deployment.coordinators],
+                                                 timeout=timeout)
+    except BaseException:
+        deployment.shutdown()
+        raise
+    return deployment
+
+
+def deploy_local(address: Optional[str] = None, **kwargs) -> Deployment:
+    """`deploy` on the Ray cluster at `address` (connects when Ray is not initialised yet).
+
+    Without an address it starts a one-node local Ray on loopback that has both custom resources.
+    """
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(num_cpus=2, resources={EDGE: 1 + int(kwargs.get("drafters", 1)), VERIFIER: 1},
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     _node_ip_address="127.0.0.1")
+    return deploy(**kwargs)
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator.ray_app", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default=None, help="Ray cluster address ('auto' on a cluster node)")
+    parser.add_argument("--verifier", default="verifier", help="bundled name or checkpoint directory")
+    parser.add_argument("--drafter", default="pretrained", help="bundled name or checkpoint directory")
+    parser.add_argument("--drafters", type=int, default=1, help="drafter+coordinator pairs")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address; 'node' = the node's IP")
+    parser.add_argument("--coordinator-port", type=int, default=0)
+    parser.add_argument("--verifier-port", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--trace-file", default=None)
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--verifier-gpus", type=float, default=0)
+    parser.add_argument("--drafter-gpus", type=float, default=0)
+    parser.add_argument("--device-map", default=None, help="shard the verifier (e.g. auto) over the node's GPUs")
+    parser.add_argument("--steering-head", default=None, help="SD² checkpoint directory for the verifier")
+    parser.add_argument("--rtt-ms", type=float, default=0.0)
+    parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
+    args = parser.parse_args(argv)
+    deployment = deploy_local(
+        address=args.address, verifier=args.verifier, drafter=args.drafter, drafters=args.drafters,
+        host=args.host, coordinator_port=args.coordinator_port, verifier_port=args.verifier_port,
+        metrics_port=args.metrics_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
+        dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=args.rtt_ms,
+        device_map=args.device_map, steering_head=args.steering_head, detached=args.detached)
+    print(f"verifier    {deployment.verifier_target}", flush=True)
+    for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):
+        print(f"drafter     {d}\ncoordinator {c}", flush=True)
+    if args.detached:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        deployment.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""What one distributed generation measured: per-block round-trip costs and the summary metrics."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence
+
+from steerspec.metrics import GenerationResult
+from steerspec.v1 import coordinator_pb2
+
+
+@dataclass
+class BlockStats:
+    """One verifier round trip, as the coordinator measured it (milliseconds, bytes)."""
+
+    seq: int
+    drafted: int
+    accepted: int
+    committed: int  # tokens this block added to the output (after truncation)
+    rtt_ms: float
+    draft_ms: float  # asking the drafter -> its block arriving
+    network_ms: float
+    queue_ms: float
+    verify_ms: float
+    cycle_ms: float  # asking for the draft -> feeding the result back (draft, round trip, commit)
+    bytes_up: int
+    bytes_down: int
+    batch_size: int
+    verifier: str = ""
+    draft_compute_ms: float = 0.0  # the drafter's own compute report
+
+    @property
+    def overhead_ms(self) -> float:
+        return max(0.0, self.cycle_ms - self.draft_ms - self.network_ms - self.queue_ms - self.verify_ms)
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one round trip (what the server streams as a TokenChunk)."""
+
+    seq: int
+    token_ids: List[int]
+    accepted: int
+    drafted: int
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+@dataclass
+class DistributedResult(GenerationResult):
+    """A GenerationResult plus the per-block round-trip costs of the distributed path."""
+
+    session_id: str = ""
+    blocks: List[BlockStats] = field(default_factory=list)
+    resumes: int = 0
+    trace_id: str = ""
+    transport: str = "grpc"
+    restored: int = 0  # tokens restored from a checkpoint (resumed session): not counted as this run's work
+
+    @property
+    def block_efficiency(self) -> float:
+        return (self.generated - self.restored) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.generated - self.restored) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def stage_ms(self, reduce: Callable[[Sequence[float]], float] = _mean) -> Dict[str, float]:
+        b = self.blocks
+        return {"draft": reduce([x.draft_ms for x in b]), "network": reduce([x.network_ms for x in b]),
+                "queue": reduce([x.queue_ms for x in b]), "verify": reduce([x.verify_ms for x in b]),
+                "overhead": reduce([x.overhead_ms for x in b])}
+
+    @property
+    def rtt_ms(self) -> float:
+        return _mean([x.rtt_ms for x in self.blocks])
+
+    @property
+    def bytes_up(self) -> float:
+        return _mean([x.bytes_up for x in self.blocks])
+
+    @property
+    def bytes_down(self) -> float:
+        return _mean([x.bytes_down for x in self.blocks])
+
+    def to_json(self) -> Dict[str, object]:
+        out = super().to_json()
+        out.update({
+            "transport": self.transport,
+            "session_id": self.session_id,
+            "rtt_ms": round(self.rtt_ms, 3),
+            "bytes_up": round(self.bytes_up, 1),
+            "bytes_down": round(self.bytes_down, 1),
+            "stage_ms": {k: round(v, 3) for k, v in self.stage_ms().items()},
+            "stage_ms_median": {k: round(v, 3) for k, v in self.stage_ms(_median).items()},
+            "draft_compute_ms": round(_mean([x.draft_compute_ms for x in self.blocks]), 3),
+            "batch_size": round(_mean([x.batch_size for x in self.blocks]), 3),
+            "resumes": self.resumes,
+            "trace_id": self.trace_id,
+        })
+        return out
+
+    def to_summary(self, text: str = "") -> coordinator_pb2.GenerationSummary:
+        stages = self.stage_ms()
+        rate = self.acceptance_rate
+        return coordinator_pb2.GenerationSummary(
+            session_id=self.session_id, token_ids=self.token_ids, text=text, rounds=self.rounds,
+            drafted=self.drafted, accepted=self.accepted, block_efficiency=self.block_efficiency,
+            acceptance_rate=0.0 if rate is None else rate, accepted_per_position=self.accepted_per_position,
+            tokens_per_s=self.tokens_per_s, rtt_ms=self.rtt_ms, bytes_up=self.bytes_up, bytes_down=self.bytes_down,
+            stage_ms=coordinator_pb2.StageTimes(draft_ms=stages["draft"], network_ms=stages["network"],
+                                                queue_ms=stages["queue"], verify_ms=stages["verify"],
+                                                overhead_ms=stages["overhead"]),
+            wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id)
+
+
+def block_span(tracer, stats: BlockStats) -> None:
+    """A finished `steerspec.block` span for one round trip (start time back-dated to the cycle start)."""
+    end_ns = time.time_ns()
+    span = tracer.start_span("steerspec.block", start_time=end_ns - int(stats.cycle_ms * 1e6))
+    span.set_attributes({
+        "steerspec.block": stats.seq, "steerspec.k": stats.drafted, "steerspec.accepted": stats.accepted,
+        "steerspec.bytes_up": stats.bytes_up, "steerspec.bytes_down": stats.bytes_down,
+        "steerspec.rtt_ms": stats.rtt_ms, "steerspec.draft_ms": stats.draft_ms,
+        "steerspec.draft_compute_ms": stats.draft_compute_ms, "steerspec.cycle_ms": stats.cycle_ms,
+        "steerspec.network_ms": stats.network_ms, "steerspec.queue_ms": stats.queue_ms,
+        "steerspec.verify_ms": stats.verify_ms, "steerspec.overhead_ms": stats.overhead_ms,
+        "steerspec.batch_size": stats.batch_size, "steerspec.verifier": stats.verifier,
+    })
+    span.end(end_time=end_ns)

@@ -1,0 +1,224 @@
+"""CoordinatorService.Generate (grpc.aio): tokenise, place, run the session loop, stream chunks, summarise.
+
+Resuming: every Generate stream of a session streams the whole generation from its first token.
+When `session_id` names a checkpointed session, the coordinator first replays the committed tokens
+as one chunk, then continues from that prefix on whichever replicas are live (or, when the session
+had finished, sends the summary). A client that already holds n tokens skips the first n, so a
+retry after a lost connection neither loses nor repeats a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace as otel_trace
+
+from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
+from coordinator.results import Chunk, DistributedResult
+from coordinator.streams import Channels, SessionError
+from coordinator.placement import Placer
+from coordinator.store import InProcessStore, Store, keep_registered
+from steerspec.linkemu import NO_LINK, LinkModel
+from steerspec.sampling import SamplingParams
+from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "steerspec.v1.CoordinatorService"
+
+
+class TextStream:
+    """Incremental detokenisation (the prefix/read-offset scheme of vLLM and TGI).
+
+    Each push returns the text the new tokens add, decoding only a short window; text is held
+    back while the window ends inside a multi-byte character.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: List[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.ids.extend(int(t) for t in token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    @property
+    def text(self) -> str:
+        return "" if self.tokenizer is None else self._decode(self.ids)
+
+
+class Coordinator:
+    """Registry, placement, channels and the session loop config of one coordinator process."""
+
+    def __init__(self, store: Optional[Store] = None, verifiers: Iterable[str] = (), drafters: Iterable[str] = (),
+                 link: LinkModel = NO_LINK, tokenizer=None, eos_ids: Sequence[int] = (), metrics=None,
+                 tracer=None, heartbeat_ttl_s: float = 5.0, defaults: Optional[Dict[str, object]] = None,
+                 max_length: Optional[int] = None) -> None:
+        self.store = store if store is not None else InProcessStore()
+        self.static = [("verifier", a) for a in verifiers] + [("drafter", a) for a in drafters]
+        self.tokenizer = tokenizer
+        self.ttl_s = heartbeat_ttl_s
+        self.defaults = dict(defaults or {})
+        self.channels = Channels()
+        self.config = LoopConfig(placer=Placer(self.store), channels=self.channels, store=self.store,
+                                 link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
+                                 metrics=metrics, tracer=tracer)
+        self._heartbeats: List[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Register the static replicas now and keep them registered while they pass a health check."""
+        for kind, address in self.static:
+            await self.store.register(kind, address, self.ttl_s)
+            probe = self._health_probe(address)
+            self._heartbeats.append(asyncio.create_task(
+                keep_registered(self.store, kind, address, self.ttl_s, probe=probe)))
+
+    def _health_probe(self, address: str):
+        async def probe() -> bool:
+            stub = health_pb2_grpc.HealthStub(self.channels.get(address))
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return probe
+
+    async def stop(self) -> None:
+        for task in self._heartbeats:
+            task.cancel()
+        for task in self._heartbeats:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._heartbeats.clear()
+        await self.store.close()
+        await self.channels.close()
+
+    # -- requests ---------------------------------------------------------------------------
+    def session_request(self, request: coordinator_pb2.GenerateRequest) -> SessionRequest:
+        """GenerateRequest -> validated SessionRequest (SessionError INVALID_ARGUMENT when bad)."""
+        if request.prompt and request.prompt_ids:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "send either prompt (text) or prompt_ids, not both")
+        if request.prompt:
+            if self.tokenizer is None:
+                raise SessionError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "this coordinator has no tokenizer: send prompt_ids instead of prompt text")
+            prompt_ids = list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+        else:
+            prompt_ids = list(request.prompt_ids)
+        d = self.defaults
+        s = request.sampling if request.HasField("sampling") else None
+        sampling = SamplingParams(temperature=float(s.temperature) if s else 0.0, top_k=int(s.top_k) if s else 0,
+                                  top_p=(float(s.top_p) or 1.0) if s else 1.0)
+        return SessionRequest(
+            prompt_ids=prompt_ids, max_new_tokens=int(request.max_new_tokens or d.get("max_new_tokens", 64)),
+            sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 4)),
+            draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
+            mode=request.mode or "speculative", policy=request.policy or "fixed", steering=bool(request.steering),
+            session_id=request.session_id).validate()
+
+    async def generate(self, request: SessionRequest, deadline: Optional[float] = None):
+        """Async iterator of GenerateResponse for one session (resumes a checkpointed session_id)."""
+        store = self.store
+        record = await store.get_session(request.session_id) if request.session_id else None
+        generated: List[int] = []
+        if record is not None:
+            if record.params.get("prompt_ids") != list(request.prompt_ids):
+                raise SessionError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"session {request.session_id} exists with a different prompt: "
+                                   "use a new session_id")
+            request = SessionRequest.from_params(request.session_id, record.params)
+            generated = list(record.token_ids)
+        else:
+            await store.create_session(request.session_id, request.params(), {})
+        text = TextStream(self.tokenizer)
+        if generated:
+            yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(
+                seq=0, token_ids=generated, text=text.push(generated), accepted=0, drafted=0))
+        if record is not None and record.status == "done":
+            result = DistributedResult(token_ids=generated, session_id=request.session_id,
+                                       stop_reason=record.finish_reason or "length")
+            yield coordinator_pb2.GenerateResponse(summary=result.to_summary(text.text))
+            return
+        loop = SessionLoop(request, self.config, deadline=deadline, generated=generated,
+                           resumes=1 if generated else 0)
+        try:
+            async with contextlib.aclosing(loop.run()) as chunks:
+                async for chunk in chunks:
+                    yield coordinator_pb2.GenerateResponse(chunk=_chunk_proto(chunk, text.push(chunk.token_ids)))
+        except SessionError as exc:
+            await store.finish_session(request.session_id, "failed", exc.code.name)
+            raise
+        result = loop.result
+        await store.finish_session(request.session_id, "done", result.stop_reason)
+        if self.config.metrics is not None:
+            self.config.metrics.observe_generation(result.stop_reason)
+        result.text = text.text
+        yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
+
+
+def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:
+    return coordinator_pb2.TokenChunk(seq=chunk.seq, token_ids=chunk.token_ids, text=text,
+                                      accepted=chunk.accepted, drafted=chunk.drafted)
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """The public API over one `Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def Generate(self, request, context):
+        try:
+            session = self.coordinator.session_request(request)
+        except SessionError as exc:
+            await context.abort(exc.code, exc.message)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        trace_id = ""
+        tracer = self.coordinator.config.tracer
+        span_cm = contextlib.nullcontext()
+        if tracer is not None:
+            span_cm = tracer.start_as_current_span("steerspec.generate", attributes={
+                "steerspec.session_id": session.session_id, "steerspec.mode": session.mode,
+                "steerspec.k": session.k, "steerspec.max_new_tokens": session.max_new_tokens})
+        with span_cm:
+            span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
+            if span_context.is_valid:
+                trace_id = f"{span_context.trace_id:032x}"
+            try:
+                async with contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
+                    async for response in responses:
+                        if response.HasField("summary"):
+                            response.summary.trace_id = trace_id
+                        yield response
+            except SessionError as exc:
+                await context.abort(exc.code, exc.message)
+
+
+async def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0):
+    """Start the coordinator's gRPC server (health + reflection); returns the RunningServer."""
+    from steerspec.grpc_common import start_server
+
+    await coordinator.start()
+    running = await start_server(
+        [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, CoordinatorService(coordinator))],
+        [SERVICE_NAME], host=host, port=port)
+    running.on_stop.append(coordinator.stop)
+    return running

@@ -1,0 +1,77 @@
+"""Serve an edge drafter: proposes draft blocks over gRPC (DrafterService), with optional SD² steering."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from steerspec.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=50062, help="port to bind (0 = any free port)")
+    parser.add_argument("--model", default="pretrained", help="bundled name or local checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument("--steering", default="auto",
+                        help="SD² steering weights: 'auto' (from the model directory when present), 'off', "
+                             "or a checkpoint directory")
+    parser.add_argument("--max-sessions", type=int, default=64, help="sessions served at once")
+    parser.add_argument("--idle-timeout-s", type=float, default=300.0, help="expire sessions idle this long (0 = never)")
+    parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+
+
+def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
+    """(model, steering hooks or None)."""
+    from steerspec.models.loading import load_model, resolve_model_dir
+    from steerspec.steering import attach_steering, has_steering, load_steering
+
+    loaded = load_model(model, dtype=dtype, device=device)
+    source = None
+    if steering == "auto":
+        path = resolve_model_dir(model)
+        source = path if has_steering(path) else None
+    elif steering not in ("off", "none", ""):
+        source = steering
+    if source is None:
+        return loaded, None
+    try:
+        weights = load_steering(source, device=loaded.device)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise UsageError(f"cannot load SD² steering weights from {source}: {exc}") from exc
+    return loaded, attach_steering(loaded, weights.drafter)
+
+
+async def _main(args) -> int:
+    from drafter_service.server import DrafterConfig, serve
+    from steerspec.grpc_common import serve_until_signal
+
+    if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from steerspec.tracing import instrument_grpc, setup_tracing
+
+        setup_tracing("steerspec-drafter", trace_file=args.trace_file)
+        instrument_grpc()
+    model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
+    config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
+                           model_name=str(args.model))
+    running, _ = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
+                             max_message_bytes=int(args.max_message_mb * 2**20))
+    steer = "with SD² steering" if hooks is not None else "without steering"
+    print(f"steerspec drafter serving {args.model} ({steer}) on {running.target}", flush=True)
+    await serve_until_signal(running, grace=args.grace_s)
+    return 0
+
+
+def run(args) -> int:
+    if args.max_sessions < 1:
+        raise UsageError("--max-sessions must be at least 1")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return asyncio.run(_main(args))

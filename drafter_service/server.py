@@ -1,0 +1,266 @@
+"""The drafter gRPC service: one bidirectional Draft stream per session.
+
+Stream protocol (proto/steerspec/v1/drafter.proto, CONTRACT.md):
+  DraftOpen -> DraftBlock seq 1 (drafted after the prompt, steered by DraftOpen.steering)
+  DraftFeedback(result, want_block) -> roll back to the committed length, take the result's
+      steering vector, draft the next block (seq + 1); want_block=false only rolls back
+  DraftClose / stream end / cancel / deadline -> the session's cache is freed at once.
+A bad feedback gets an in-stream StreamError and changes nothing; an invalid open (or a first
+message that is not an open) aborts the stream with a status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+import torch
+
+from steerspec import wire
+from steerspec.policies.base import MAX_K
+from steerspec.sampling import MAX_DRAFT_TOP_K
+from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from steerspec.wire import ProtocolError, code_number
+from drafter_service.sessions import Drafter, DrafterSession, DrafterSessionTable, Proposal, resolve_policy
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "steerspec.v1.DrafterService"
+DEFAULT_K = 8
+
+
+@dataclass
+class DrafterConfig:
+    max_sessions: int = 64
+    idle_timeout_s: float = 300.0
+    model_name: str = ""
+
+
+def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.DraftResponse:
+    return drafter_pb2.DraftResponse(error=common_pb2.StreamError(code=code_number(code), message=message, seq=seq))
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, model, config: DrafterConfig, hooks=None) -> None:
+        self.model = model
+        self.config = config
+        self.drafter = Drafter(model, hooks)
+        self.vocab_size = self.drafter.vocab_size
+        self.table = DrafterSessionTable(model, config.max_sessions)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self._busy = 0
+        self._tracing = None
+        self._tracer = None
+        try:
+            from steerspec import tracing
+
+            self._tracing, self._tracer = tracing, tracing.get_tracer(__name__)
+        except ImportError:  # pragma: no cover
+            pass
+
+    async def close(self) -> None:
+        for session in list(self.table.sessions.values()):
+            self.table.close(session)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> common_pb2.ServiceStats:
+        return common_pb2.ServiceStats(active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
+                                       max_sessions=self.table.max_sessions, blocks_total=self.table.blocks_total,
+                                       model=self.config.model_name)
+
+    async def GetDrafterStats(self, request, context):
+        return drafter_pb2.GetDrafterStatsResponse(stats=self.stats())
+
+    async def _compute(self, fn, *args):
+        """Run on the compute thread, or inline when this is the only session (no thread hop)."""
+        if len(self.table) <= 1 and not self._busy:
+            return fn(*args)
+        self._busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self._busy -= 1
+
+    # ------------------------------------------------------------------ the stream
+    async def Draft(self, request_iterator, context):
+        session: Optional[DrafterSession] = None
+        try:
+            first = await self._read(context, None)
+            if first is None:
+                return
+            kind = first.WhichOneof("kind")
+            if kind != "open":
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the first message of a Draft stream must be DraftOpen, got "
+                                    f"{kind or 'an empty DraftRequest'}; open the session first")
+            try:
+                session = self._open(first.open)
+            except ProtocolError as exc:
+                await context.abort(exc.code, exc.message)
+            try:
+                first_block = await self._propose(session)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:
+                log.exception("drafting failed for session %s", session.session_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed ({type(exc).__name__}: {exc})")
+            await context.write(first_block)
+            while True:
+                request = await self._read(context, session)
+                if request is None:
+                    return
+                kind = request.WhichOneof("kind")
+                if kind == "close":
+                    return
+                if kind == "feedback":
+                    try:
+                        response = await self._feedback(session, request.feedback)
+                    except (asyncio.CancelledError, grpc.aio.AbortError):
+                        raise
+                    except Exception as exc:  # a failed forward: the cache may be partial, end the session
+                        log.exception("drafting failed for session %s", session.session_id)
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"drafting failed ({type(exc).__name__}: {exc}); the session was "
+                                            "closed: reopen it with the committed prefix")
+                elif kind == "open":
+                    response = _error(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"session {session.session_id!r} is already open on this stream; "
+                                      "open a new stream for another session")
+                else:
+                    response = _error(grpc.StatusCode.INVALID_ARGUMENT,
+                                      "empty DraftRequest: set one of open, feedback or close")
+                session.last_active = time.monotonic()
+                if response is not None:
+                    await context.write(response)
+        finally:
+            if session is not None:
+                self.table.close(session)
+
+    async def _read(self, context, session: Optional[DrafterSession]):
+        timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
+        try:
+            request = await asyncio.wait_for(context.read(), timeout)
+        except asyncio.TimeoutError:
+            if session is not None:
+                self.table.close(session)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
+                                "its cache was freed: reopen with the committed prefix to resume")
+        if request is grpc.aio.EOF:
+            return None
+        return request
+
+    def _steering(self, msg: common_pb2.Tensor, what: str) -> Optional[torch.Tensor]:
+        if not wire.has_tensor(msg):
+            return None
+        dim = self.drafter.steer_dim
+        if dim is None:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{what} carries a steering vector but this drafter has no SD² steering weights; "
+                                "serve an SD² drafter checkpoint or open the verifier session with steering=false")
+        return wire.tensor_from_proto(msg, size=dim, what=what).reshape(dim)
+
+    def _open(self, msg: drafter_pb2.DraftOpen) -> DrafterSession:
+        prompt = wire.ids_array(msg.prompt_ids)
+        if prompt.size == 0:
+            raise wire.invalid("prompt_ids is empty: a session needs at least one prompt token")
+        wire.check_ids(prompt, self.vocab_size, "prompt_ids")
+        if prompt.size >= self.drafter.context:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"prompt has {prompt.size} tokens; the drafter's context is {self.drafter.context}, "
+                                "leaving no room to draft")
+        params = wire.sampling_from_proto(msg.sampling if msg.HasField("sampling") else None, self.vocab_size)
+        k = int(msg.k) or DEFAULT_K
+        if k > MAX_K:
+            raise wire.invalid(f"k {k} exceeds the limit of {MAX_K} draft tokens per block")
+        top_k = int(msg.draft_top_k)
+        if top_k > MAX_DRAFT_TOP_K and top_k < self.vocab_size:
+            raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
+        if top_k > self.vocab_size:
+            raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
+        policy = resolve_policy(msg.policy, k)
+        steering = self._steering(msg.steering, "DraftOpen.steering")
+        generator = torch.Generator(device=self.model.device)
+        generator.manual_seed(int(msg.seed) % (2**63))  # the drafter's stream is the seed itself (engine.py)
+        ids = prompt.tolist()
+        return self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
+                               generator=generator, k=k, draft_top_k=top_k, policy=policy,
+                               max_new_tokens=int(msg.max_new_tokens), steering=steering)
+
+    async def _propose(self, session: DrafterSession) -> drafter_pb2.DraftResponse:
+        start_ns = time.time_ns()
+        out = await self._compute(self.drafter.draft, session)
+        session.seq += 1
+        n = len(session.committed)
+        session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids)
+        self.table.blocks_total += 1
+        block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
+        if self._tracer is not None:
+            self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,
+                                      start_ns + int(out.draft_ms * 1e6), block=session.seq, k=len(out.draft_ids),
+                                      bytes=block.ByteSize())
+        return drafter_pb2.DraftResponse(block=block)
+
+    def _check_feedback(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):
+        if not msg.HasField("result"):
+            raise wire.invalid("DraftFeedback has no result: send the VerifyResult of the last block")
+        result = msg.result
+        proposal = session.proposal
+        if proposal is None or result.seq != proposal.seq:
+            if proposal is not None and result.seq < proposal.seq and result.seq >= 1:
+                raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"feedback for block {result.seq} was already applied; the open block is "
+                                    f"{proposal.seq}")
+            pending = "no block is awaiting feedback" if proposal is None else f"the open block is {proposal.seq}"
+            raise ProtocolError(grpc.StatusCode.NOT_FOUND,
+                                f"feedback for block {result.seq}, which this drafter never sent ({pending})")
+        k = len(proposal.draft_ids)
+        if result.accepted > k:
+            raise wire.invalid(f"result accepts {result.accepted} tokens but block {proposal.seq} drafted only {k}")
+        if not 0 <= result.next_token < self.vocab_size:
+            raise wire.invalid(f"result.next_token {result.next_token} is outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if result.is_bonus != (result.accepted == k):
+            raise wire.invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
+        expected = proposal.committed_length + result.accepted + 1
+        if result.committed_length != expected:
+            raise wire.invalid(f"result.committed_length {result.committed_length} does not match the block: "
+                               f"{proposal.committed_length} + {result.accepted} accepted + 1 = {expected}")
+        if msg.want_block and session.max_new_tokens > 0 and \
+                expected - session.open_length >= session.max_new_tokens:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"max_new_tokens {session.max_new_tokens} is reached with this result; "
+                                "send it with want_block=false")
+        if msg.want_block and expected >= self.drafter.context:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"the sequence reaches the drafter's context ({self.drafter.context} tokens) with "
+                                "this result; send it with want_block=false")
+        return self._steering(result.steering, "result.steering")
+
+    async def _feedback(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):
+        try:
+            steering = self._check_feedback(session, msg)
+        except ProtocolError as exc:
+            return _error(exc.code, exc.message, msg.result.seq)
+        result = msg.result
+        self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering)
+        if not msg.want_block:
+            return None
+        return await self._propose(session)
+
+
+async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int = 0, hooks=None,
+                max_message_bytes: Optional[int] = None):
+    """Start a drafter server; returns (RunningServer, servicer)."""
+    from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
+
+    servicer = DrafterServicer(model, config, hooks)
+    running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
+                                 [SERVICE_NAME], host=host, port=port,
+                                 max_message_bytes=max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+    running.on_stop.append(servicer.close)
+    return running, servicer

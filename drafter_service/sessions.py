@@ -1,0 +1,220 @@
+"""Drafter sessions: the committed sequence, a KV cache (CachedLM), a draft-length policy, steering.
+
+Drafting follows the decoding protocol (CONTRACT.md): feed committed[cache_len:] (ends with the
+pending token) -> q_1, sample d_1, feed d_1 -> q_2, ... d_k. Greedy takes argmaxes; sampling
+draws from the wire distribution `fp16_roundtrip(truncate_top_k(probs, draft_top_k))`, exactly
+what the verifier decodes, so speculative sampling stays exact across the network.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import grpc
+import torch
+from torch import Tensor
+
+from steerspec.models.kv import CachedLM
+from steerspec.policies.base import PolicyBase
+from steerspec.policies.fixed import FixedK
+from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits, sample_sparse, truncate_top_k
+from steerspec.wire import ProtocolError, fp16_roundtrip, invalid
+
+
+def resolve_policy(name: str, k: int):
+    """A draft-length policy by name: "fixed" (default), or one from steerspec/policies/.
+
+    Lookup: `steerspec.policies.make_policy(name, k)` when the package provides it, else the
+    module `steerspec.policies.<name>` and the policy class defined there, built with k."""
+    name = (name or "fixed").strip().lower()
+    if name == "fixed":
+        return FixedK(k)
+    import steerspec.policies as policies
+
+    factory = getattr(policies, "make_policy", None) or getattr(policies, "get_policy", None)
+    try:
+        if factory is not None:
+            return factory(name, k)
+        module = importlib.import_module(f"steerspec.policies.{name}")
+    except (ImportError, KeyError, ValueError) as exc:
+        raise invalid(f"unknown draft-length policy {name!r} ({exc}); use 'fixed' or a policy in "
+                      "steerspec/policies/") from None
+    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
+               if issubclass(c, PolicyBase) and c is not PolicyBase and c.__module__ == module.__name__]
+    if not classes:
+        raise invalid(f"steerspec.policies.{name} defines no draft-length policy class")
+    cls = classes[0]
+    for kwargs in ({"k": k}, {"max_k": k}, {}):
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            continue
+    raise invalid(f"cannot build policy {name!r} with k={k}")
+
+
+@dataclass
+class Proposal:
+    """The block drafted last and not yet answered by feedback."""
+
+    seq: int
+    committed_length: int
+    draft_ids: List[int]
+
+
+@dataclass
+class DraftOutput:
+    draft_ids: List[int]
+    q: Optional[SparseDist]  # ids/probs [k, S], probs already fp16-rounded and renormalised
+    draft_ms: float
+
+
+@dataclass
+class DrafterSession:
+    session_id: str
+    lm: CachedLM
+    committed: List[int]
+    open_length: int
+    params: SamplingParams
+    generator: torch.Generator
+    k: int
+    draft_top_k: int
+    policy: object
+    max_new_tokens: int  # 0 = no limit
+    steering: Optional[Tensor] = None
+    seq: int = 0
+    proposal: Optional[Proposal] = None
+    closed: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - self.open_length
+
+    def budget(self) -> Optional[int]:
+        """Tokens still allowed (None = no limit)."""
+        return None if self.max_new_tokens <= 0 else self.max_new_tokens - self.generated
+
+
+class Drafter:
+    """The compute side: drafts blocks for sessions over one model (called on one thread)."""
+
+    def __init__(self, model, hooks=None) -> None:
+        self.model = model
+        self.hooks = hooks  # steerspec.steering.SteeringHooks when the drafter has SD² weights
+        self.vocab_size = int(model.config.vocab_size)
+        from steerspec.models.loading import context_length
+
+        self.context = context_length(model)
+
+    @property
+    def steer_dim(self) -> Optional[int]:
+        return None if self.hooks is None else int(self.hooks.steering.steer_dim)
+
+    def block_length(self, session: DrafterSession) -> int:
+        """k for the next block: the policy's choice, capped by the session's k, budget and context."""
+        k = min(int(session.policy.next_k()), session.k)
+        budget = session.budget()
+        if budget is not None:
+            k = min(k, budget - 1)  # the verifier adds one token (recovered or bonus) itself
+        k = min(k, self.context - len(session.committed))
+        return max(k, 0)
+
+    @torch.inference_mode()
+    def draft(self, session: DrafterSession) -> DraftOutput:
+        start = time.perf_counter()
+        k = self.block_length(session)
+        lm, params, policy = session.lm, session.params, session.policy
+        stops_early = bool(getattr(policy, "stops_early", False))
+        tokens: List[int] = []
+        q_ids: List[Tensor] = []
+        q_probs: List[Tensor] = []
+        if self.hooks is not None:
+            if session.steering is not None:
+                self.hooks.set_vector(session.steering.to(self.model.device).unsqueeze(0))
+            else:
+                self.hooks.clear()
+        try:
+            feed: object = session.committed[lm.length:]
+            for i in range(k):
+                logits = lm.extend(feed, logits_to_keep=1).logits  # [1, V]
+                if session.greedy:
+                    token = logits.argmax(-1)
+                    probs = logits.softmax(-1)[0] if stops_early else None
+                else:
+                    full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+                    dist = fp16_roundtrip(truncate_top_k(full, session.draft_top_k))
+                    token = sample_sparse(dist, session.generator)
+                    q_ids.append(dist.ids[0])
+                    q_probs.append(dist.probs[0])
+                    probs = full[0]
+                tokens.append(int(token))
+                if stops_early and i + 1 < k and policy.should_stop(probs, i):
+                    break
+                feed = token
+        finally:
+            if self.hooks is not None:
+                self.hooks.clear()
+        q = SparseDist(ids=torch.stack(q_ids), probs=torch.stack(q_probs)) if q_ids else None
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return DraftOutput(draft_ids=tokens, q=q, draft_ms=(time.perf_counter() - start) * 1e3)
+
+    def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,
+                       steering: Optional[Tensor]) -> None:
+        """Commit d_1..d_a and the next token; roll the cache back to min(len, n + a)."""
+        proposal = session.proposal
+        n = proposal.committed_length
+        session.committed.extend(proposal.draft_ids[:accepted])
+        session.committed.append(int(next_token))
+        if session.lm.length > n + accepted:
+            session.lm.rollback(n + accepted)
+        if proposal.draft_ids:
+            session.policy.update(accepted, len(proposal.draft_ids))
+        if steering is not None:
+            session.steering = steering
+        session.proposal = None
+
+
+class DrafterSessionTable:
+    def __init__(self, model, max_sessions: int) -> None:
+        self.model = model
+        self.max_sessions = int(max_sessions)
+        self.sessions: Dict[str, DrafterSession] = {}
+        self.blocks_total = 0
+        from verifier_service.sessions import kv_bytes_per_token
+
+        self.bytes_per_token = kv_bytes_per_token(model)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def cache_bytes(self) -> int:
+        return sum(s.lm.length for s in self.sessions.values()) * self.bytes_per_token
+
+    def open(self, session_id: str, **fields) -> DrafterSession:
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.sessions:
+            raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"session {session_id!r} is already open on this drafter; close its stream first")
+        if len(self.sessions) >= self.max_sessions:
+            raise ProtocolError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this drafter already serves --max-sessions {self.max_sessions} sessions; retry "
+                                "later or use another replica")
+        session = DrafterSession(session_id=session_id, lm=CachedLM(self.model), **fields)
+        self.sessions[session_id] = session
+        return session
+
+    def close(self, session: DrafterSession) -> None:
+        session.closed = True
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        session.lm.reset()

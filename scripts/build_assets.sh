@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Reproduce the bundled tiny model pair and the eval prompt sets from this machine's CPython stdlib.
+# Usage: bash scripts/build_assets.sh [STEP...]   steps: tokenizer evalsets verifier drafter install (default: all)
+# Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
+# The shipped pair was made exactly so (verifier 600 steps, drafter 300 steps, 1 thread each, the two
+# training steps run as two parallel jobs: `build_assets.sh verifier & build_assets.sh drafter`); the
+# drafter's run directory was runs/assets/pretrained300 at the time. --resume continues an interrupted run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+RUNS=runs/assets
+ASSETS=steerspec/assets
+VERIFIER_STEPS=${VERIFIER_STEPS:-600}
+DRAFTER_STEPS=${DRAFTER_STEPS:-300}
+THREADS=${THREADS:-1}  # 1 thread per run: robust on a shared 2-core machine
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(tokenizer evalsets verifier drafter install)
+export OMP_NUM_THREADS=$THREADS
+
+install_model() {  # copy the Hugging Face files of a trained run into the package
+  local src=$1 dst=$2
+  mkdir -p "$dst"
+  for f in config.json model.safetensors tokenizer.json tokenizer_config.json tokenizer_meta.json \
+           train_report.json MODEL_CARD.md; do
+    [ -f "$src/$f" ] && cp "$src/$f" "$dst/$f"
+  done
+}
+
+for step in "${STEPS[@]}"; do
+  case $step in
+    tokenizer) $PY -m steerspec.data.tokenizer --out $RUNS/tokenizer ;;
+    evalsets)  $PY -m steerspec.data.evalsets --tokenizer $RUNS/tokenizer --out $ASSETS/eval ;;
+    verifier)  $PY -m steerspec train base --role verifier --out $RUNS/verifier --tokenizer $RUNS/tokenizer \
+                 --steps "$VERIFIER_STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 --seed 1234 --threads "$THREADS" --resume ;;
+    drafter)   $PY -m steerspec train base --role drafter --out $RUNS/pretrained --tokenizer $RUNS/tokenizer \
+                 --steps "$DRAFTER_STEPS" --batch-size 16 --seq-len 256 --lr 3e-3 --seed 1234 --threads "$THREADS" --resume ;;
+    install)   install_model $RUNS/verifier $ASSETS/models/verifier
+               install_model $RUNS/pretrained $ASSETS/models/pretrained ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+  esac
+done

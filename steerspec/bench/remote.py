@@ -1,0 +1,585 @@
+"""The distributed path over an emulated remote link, at several RTTs, in one run.
+
+For each RTT (coordinator ↔ verifier link emulated by steerspec.linkemu; in-process servers on
+loopback via coordinator.local.LocalCluster):
+
+- ``autoregressive``: the verifier alone over the same link, one round trip per token;
+- ``speculative``: the pretrained drafter proposing k tokens per round trip through the services;
+- ``engine``: the in-process engine (no gRPC, no link; measured once, the same for every RTT);
+
+with tokens/s, block efficiency, speedup (speculative ÷ autoregressive over the same link), mean
+bytes per block up/down, median stage times per block and the mean verifier batch size; plus the
+aggregate tokens/s of the same N speculative generations run 1 at a time and N at a time. Prints a table, writes JSON
+(``--out``) and optionally a PNG (``--plot``), and checks the targets: overhead ≤ 1 ms median per
+block, ≤ 4 KB up per block (at T=1, k=8, draft-top-k 64), and N=8 concurrent sessions ≥ 5× the
+aggregate tokens/s of one at RTT 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from steerspec.errors import UsageError
+
+STAGES = ("draft", "network", "queue", "verify", "overhead")
+TARGET_OVERHEAD_MS = 1.0
+TARGET_BYTES_UP = 4096
+TARGET_CONCURRENCY_RATIO = 5.0
+TARGET_RTT_MS = 50.0
+
+FALLBACK_PROMPTS = [
+    "def fibonacci(n):",
+    "class Queue:\n    def __init__(self):",
+    "import os\nimport sys\n\ndef main():",
+    "def binary_search(items, target):",
+    "# Read a CSV file and print the sum of each column\n",
+    "def is_prime(n):",
+    "class Stack:",
+    "for name in sorted(",
+]
+
+
+def _float_list(text: str, flag: str) -> List[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} expects comma-separated numbers, got '{text}'") from None
+    if not values or any(v < 0 or v != v or v == float("inf") for v in values):
+        raise UsageError(f"{flag} expects finite numbers >= 0, got '{text}'")
+    return values
+
+
+def _int_list(text: str, flag: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} expects comma-separated integers, got '{text}'") from None
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{flag} expects integers >= 1, got '{text}'")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated round-trip times (comma-separated)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per mode and RTT")
+    parser.add_argument("--prompt-set", default="indist", help="bundled eval set (falls back to built-in prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=8, help="draft length per block")
+    parser.add_argument("--draft-top-k", type=int, default=64, help="support of the sparse draft distribution")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--verifier", default="verifier", help="bundled name or checkpoint directory")
+    parser.add_argument("--drafter", default="pretrained", help="bundled name or checkpoint directory")
+    parser.add_argument("--concurrency", default="1,8", help="concurrent session counts for the aggregate run")
+    parser.add_argument("--drafters", type=int, default=1,
+                        help="drafter replicas behind the coordinator (sessions are placed least-loaded; "
+                             "8 = one edge drafter per session when 8 run at once)")
+    parser.add_argument("--concurrency-rtt-ms", default=None,
+                        help="RTTs at which to run the concurrency comparison (default: all of --rtt-ms)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--bandwidth-mbps", type=float, default=0.0)
+    parser.add_argument("--batch-window-ms", type=float, default=None, help="verifier batch window (server default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine baseline")
+    parser.add_argument("--deployment", choices=("local", "ray"), default="local",
+                        help="local: every server in this process (LocalCluster); ray: verifier, drafter and "
+                             "coordinator as Ray actors in their own processes (loopback), per-block stages "
+                             "read from the coordinator's trace file")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    parser.add_argument("--plot", default=None, help="write a PNG (tokens/s vs RTT, stage breakdown) here")
+    parser.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def _median(values: Sequence[float]) -> Optional[float]:
+    return float(statistics.median(values)) if values else None
+
+
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return float(statistics.fmean(values)) if values else None
+
+
+def summarize_runs(results: Sequence[Any], wall_s: Optional[float] = None) -> Dict[str, Any]:
+    """Pool DistributedResults: tokens/s over the summed wall time, per-block medians and means."""
+    tokens = sum(r.generated for r in results)
+    rounds = sum(r.rounds for r in results)
+    drafted = sum(r.drafted for r in results)
+    accepted = sum(r.accepted for r in results)
+    wall = wall_s if wall_s is not None else sum(r.wall_s for r in results)
+    blocks = [b for r in results for b in getattr(r, "blocks", [])]
+    out: Dict[str, Any] = {
+        "sessions": len(results),
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "rounds": rounds,
+        "block_efficiency": round(tokens / rounds, 4) if rounds else None,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+    }
+    if blocks:
+        out.update({
+            "bytes_up": round(_mean([b.bytes_up for b in blocks]), 1),
+            "bytes_down": round(_mean([b.bytes_down for b in blocks]), 1),
+            "rtt_ms": round(_median([b.rtt_ms for b in blocks]), 3),
+            "stage_ms": {s: round(_median([getattr(b, f"{s}_ms") for b in blocks]), 3) for s in STAGES},
+            "stage_ms_p90": {s: round(_p90([getattr(b, f"{s}_ms") for b in blocks]), 3) for s in STAGES},
+            "batch_size": round(_mean([b.batch_size for b in blocks]), 3),
+            "blocks": len(blocks),
+        })
+    return out
+
+
+def _p90(values: Sequence[float]) -> float:
+    data = sorted(values)
+    pos = (len(data) - 1) * 0.9
+    lo, hi = int(pos), min(int(pos) + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _prompts(args, tokenizer) -> List[List[int]]:
+    texts: List[str] = []
+    eval_file = Path(__file__).resolve().parent.parent / "assets" / "eval" / f"{args.prompt_set}.jsonl"
+    if eval_file.is_file():
+        for line in eval_file.read_text().splitlines():
+            if line.strip():
+                texts.append(json.loads(line)["prompt"])
+    if not texts:
+        texts = list(FALLBACK_PROMPTS)
+    needed = max(args.prompts, max(args.concurrency_list))
+    texts = [texts[i % len(texts)] for i in range(needed)]
+    prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    if any(not p for p in prompts):
+        raise UsageError("an eval prompt tokenised to nothing; use another --prompt-set")
+    return prompts
+
+
+def _engine_run(verifier, drafter, prompts, args, eos) -> Dict[str, Any]:
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.policies.fixed import FixedK
+    from steerspec.sampling import SamplingParams
+
+    results = []
+    for i, prompt in enumerate(prompts):
+        config = DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
+                              sampling=SamplingParams(args.temperature, args.top_k, args.top_p), eos_token_ids=eos)
+        results.append(speculative_generate(verifier, drafter, prompt, config, policy=FixedK(args.k)))
+    return summarize_runs(results)
+
+
+@dataclass
+class BlockRecord:
+    """One round trip as read back from a `steerspec.block` span (Ray deployment)."""
+
+    rtt_ms: float
+    draft_ms: float
+    network_ms: float
+    queue_ms: float
+    verify_ms: float
+    overhead_ms: float
+    bytes_up: float
+    bytes_down: float
+    batch_size: float
+
+
+@dataclass
+class RunRecord:
+    """One generation's totals (and its blocks when known)."""
+
+    generated: int
+    rounds: int
+    drafted: int
+    accepted: int
+    wall_s: float
+    blocks: List[BlockRecord] = field(default_factory=list)
+
+
+class RayCluster:
+    """Verifier and drafter actors (loaded once) plus one coordinator actor per link setting.
+
+    Same `generate` interface as LocalCluster; per-block stages come from the coordinator's JSONL
+    trace (its `steerspec.block` spans, matched by the summary's trace id).
+    """
+
+    def __init__(self, args, workdir: str) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.verifier = self.coordinator = None
+        self.drafters: List[Any] = []
+        self.trace_file = ""
+        self.client = None
+
+    def start(self) -> None:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+
+        from coordinator.ray_app import DrafterActor, VerifierActor, placement_options
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), resources={"edge": 1 + self.args.drafters, "verifier": 1},
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     _node_ip_address="127.0.0.1")
+        threads = self.args.threads if self.args.threads > 0 else 0
+        options = {} if self.args.batch_window_ms is None else {"batch_window_ms": self.args.batch_window_ms}
+        self.verifier = VerifierActor.options(**placement_options("verifier")).remote(
+            model=str(self.args.verifier_dir), num_threads=threads, options=options)
+        self.drafters = [DrafterActor.options(**placement_options("drafter")).remote(
+            model=str(self.args.drafter_dir), num_threads=threads) for _ in range(self.args.drafters)]
+        self.verifier_target = ray.get(self.verifier.start.remote(), timeout=600)
+        self.drafter_targets = ray.get([d.start.remote() for d in self.drafters], timeout=600)
+        self.drafter_node = ray.get(self.drafters[0].node_id.remote())
+
+    def link(self, rtt_ms: float) -> "RayCluster":
+        import ray
+
+        from coordinator.ray_app import CoordinatorActor, placement_options
+
+        self.trace_file = os.path.join(self.workdir, f"coordinator-rtt{rtt_ms:g}.jsonl")
+        self.coordinator = CoordinatorActor.options(**placement_options("coordinator", node_id=self.drafter_node)
+                                                    ).remote(verifiers=[self.verifier_target],
+                                                             drafters=self.drafter_targets,
+                                                             tokenizer=str(self.args.verifier_dir), rtt_ms=rtt_ms,
+                                                             jitter_ms=self.args.jitter_ms,
+                                                             bandwidth_mbps=self.args.bandwidth_mbps,
+                                                             link_seed=self.args.seed, trace_file=self.trace_file)
+        self.target = ray.get(self.coordinator.start.remote(), timeout=300)
+        return self
+
+    async def __aenter__(self) -> "RayCluster":
+        from coordinator.client import Client
+
+        self.client = Client(self.target, retries=0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        import ray
+
+        await self.client.aclose()
+        ray.get(self.coordinator.stop.remote(), timeout=60)
+        ray.kill(self.coordinator)
+        self.coordinator = None
+
+    def _blocks(self, trace_id: str) -> List[BlockRecord]:
+        out = []
+        with open(self.trace_file, encoding="utf-8") as handle:
+            for line in handle:
+                span = json.loads(line)
+                if span["name"] != "steerspec.block" or span["trace_id"] != trace_id:
+                    continue
+                a = span["attributes"]
+                out.append(BlockRecord(**{f: float(a.get(f"steerspec.{f}", 0.0)) for f in BlockRecord.__annotations__}))
+        return out
+
+    async def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
+                       mode: str = "speculative", timeout: Optional[float] = None) -> RunRecord:
+        s = await self.client.acomplete(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k,
+                                        draft_top_k=draft_top_k, mode=mode, timeout=timeout)
+        return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
+                         wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in (self.coordinator, *self.drafters, self.verifier):
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(actor)
+        ray.shutdown()
+
+
+async def _sequential(cluster, prompts, args, mode: str) -> List[Any]:
+    results = []
+    for i, prompt in enumerate(prompts):
+        results.append(await cluster.generate(
+            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode, timeout=600))
+    return results
+
+
+async def _concurrent(cluster, prompts, args, sessions: int) -> Dict[str, Any]:
+    """The same `max(--concurrency)` speculative generations, `sessions` at a time (waves of
+    `asyncio.gather`); aggregate tokens/s = all their tokens / the wall time of all waves."""
+    total = max(args.concurrency_list)
+    results: List[Any] = []
+    start = time.perf_counter()
+    for wave in range(0, total, sessions):
+        results += await asyncio.gather(*[
+            cluster.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, k=args.k,
+                             draft_top_k=args.draft_top_k, mode="speculative", timeout=600)
+            for i in range(wave, min(total, wave + sessions))])
+    return summarize_runs(results, wall_s=time.perf_counter() - start)
+
+
+async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dict[str, Any]:
+    from coordinator.local import LocalCluster
+    from steerspec.linkemu import LinkModel
+
+    rows = []
+    verifier_options = {} if args.batch_window_ms is None else {"batch_window_ms": args.batch_window_ms}
+    engine = None
+    if not args.no_engine:
+        _engine_run(verifier, drafter, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), eos)
+        engine = _engine_run(verifier, drafter, prompts[:args.prompts], args, eos)
+    ray_cluster = None
+    if args.deployment == "ray":
+        import tempfile
+
+        ray_cluster = RayCluster(args, tempfile.mkdtemp(prefix="steerspec-bench-"))
+        ray_cluster.start()
+    try:
+        for rtt in args.rtt_list:
+            link = LinkModel(rtt_ms=rtt, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
+                             seed=args.seed).validate()
+            if ray_cluster is not None:
+                cluster_cm = ray_cluster.link(rtt)
+            else:
+                cluster_cm = LocalCluster(verifier, drafter, drafters=args.drafters, link=link,
+                                          tokenizer=tokenizer_name, eos_ids=eos, verifier_options=verifier_options)
+            rows.append(await _measure_rtt(cluster_cm, rtt, args, prompts, engine))
+    finally:
+        if ray_cluster is not None:
+            ray_cluster.shutdown()
+    return {"rows": rows, "engine": engine}
+
+
+async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[str, Any]:
+    async with cluster_cm as cluster:
+        await cluster.generate(prompts[0], max_new_tokens=4, k=args.k, draft_top_k=args.draft_top_k,
+                               temperature=args.temperature, seed=args.seed)  # warm-up
+        ar = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "autoregressive"))
+        sd = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative"))
+        row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
+        row["speedup"] = (round(sd["tokens_per_s"] / ar["tokens_per_s"], 3)
+                          if sd.get("tokens_per_s") and ar.get("tokens_per_s") else None)
+        if rtt in args.concurrency_rtts:
+            conc = {}
+            for n in args.concurrency_list:
+                conc[str(n)] = await _concurrent(cluster, prompts, args, n)
+            row["concurrency"] = conc
+            low, high = min(args.concurrency_list), max(args.concurrency_list)
+            if low != high and conc[str(low)]["tokens_per_s"]:
+                row["concurrency_ratio"] = round(conc[str(high)]["tokens_per_s"] / conc[str(low)]["tokens_per_s"], 3)
+        _progress(row)
+        return row
+
+
+def _progress(row: Dict[str, Any]) -> None:
+    import sys
+
+    sd, ar = row["speculative"], row["autoregressive"]
+    sys.stderr.write(f"rtt {row['rtt_ms']:g} ms: speculative {sd['tokens_per_s']} tok/s, "
+                     f"autoregressive {ar['tokens_per_s']} tok/s\n")
+
+
+def check_targets(report: Dict[str, Any], args) -> Dict[str, Any]:
+    """Overhead, bytes-up and concurrency targets, measured values alongside."""
+    rows = report["rows"]
+    overheads = [r["speculative"]["stage_ms"]["overhead"] for r in rows if "stage_ms" in r["speculative"]]
+    worst_overhead = max(overheads) if overheads else None
+    bytes_up = max((r["speculative"].get("bytes_up") or 0) for r in rows) if rows else None
+    at_target_config = args.temperature == 1.0 and args.k == 8 and args.draft_top_k == 64
+    targets: Dict[str, Any] = {
+        "overhead_median_ms": {"measured_max_over_rtts": worst_overhead, "target_max": TARGET_OVERHEAD_MS,
+                               "met": worst_overhead is not None and worst_overhead <= TARGET_OVERHEAD_MS},
+        "bytes_up_per_block": {"measured_max_over_rtts": bytes_up, "target_max": TARGET_BYTES_UP,
+                               "at_T1_k8_topk64": at_target_config,
+                               "met": bytes_up is not None and bytes_up <= TARGET_BYTES_UP},
+    }
+    conc = next((r for r in rows if r["rtt_ms"] == TARGET_RTT_MS and "concurrency_ratio" in r), None)
+    targets["concurrency_ratio_at_50ms"] = {
+        "measured": conc["concurrency_ratio"] if conc else None,
+        "sessions": [min(args.concurrency_list), max(args.concurrency_list)],
+        "target_min": TARGET_CONCURRENCY_RATIO,
+        "met": bool(conc and conc["concurrency_ratio"] >= TARGET_CONCURRENCY_RATIO),
+    }
+    return targets
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _f(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(report: Dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # a file or pipe: do not squeeze the table into 80 columns
+    cfg = report["config"]
+    table = Table(title=(f"steerspec bench remote ({cfg['deployment']}, {cfg['drafters']} drafter replica(s)) — "
+                         f"{cfg['verifier']} ← {cfg['drafter']}, T={cfg['temperature']:g}, "
+                         f"k={cfg['k']}, draft-top-k={cfg['draft_top_k']}, {cfg['max_new_tokens']} tokens × "
+                         f"{cfg['prompts']} prompts"))
+    for name, justify in (("RTT ms", "right"), ("mode", "left"), ("tok/s", "right"), ("τ", "right"),
+                          ("speedup", "right"), ("B up", "right"), ("B down", "right"), ("draft", "right"),
+                          ("network", "right"), ("queue", "right"), ("verify", "right"), ("overhead", "right"),
+                          ("batch", "right")):
+        table.add_column(name, justify=justify)
+    engine = report.get("engine")
+    for row in report["rows"]:
+        for mode in ("autoregressive", "speculative"):
+            m = row[mode]
+            st = m.get("stage_ms", {})
+            table.add_row(f"{row['rtt_ms']:g}", mode, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
+                          _f(row["speedup"], 2) if mode == "speculative" else "1.00",
+                          _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),
+                          *[_f(st.get(s), 2) for s in STAGES], _f(m.get("batch_size"), 2))
+        if engine:
+            table.add_row(f"{row['rtt_ms']:g}", "engine (in-process)", _f(engine["tokens_per_s"]),
+                          _f(engine["block_efficiency"], 2), "", "", "", "", "", "", "", "", "")
+        table.add_section()
+    console.print(table)
+    conc_rows = [r for r in report["rows"] if "concurrency" in r]
+    if conc_rows:
+        ctable = Table(title="aggregate tokens/s, concurrent speculative sessions")
+        ctable.add_column("RTT ms", justify="right")
+        sessions = list(conc_rows[0]["concurrency"].keys())
+        for n in sessions:
+            ctable.add_column(f"{n} session{'s' if n != '1' else ''} tok/s", justify="right")
+            ctable.add_column(f"batch ({n})", justify="right")
+        ctable.add_column("ratio", justify="right")
+        for r in conc_rows:
+            cells = []
+            for n in sessions:
+                cells += [_f(r["concurrency"][n]["tokens_per_s"]), _f(r["concurrency"][n].get("batch_size"), 2)]
+            ctable.add_row(f"{r['rtt_ms']:g}", *cells, _f(r.get("concurrency_ratio"), 2))
+        console.print(ctable)
+    for name, t in report["targets"].items():
+        console.print(f"target {name}: {json.dumps({k: v for k, v in t.items()})}")
+
+
+def write_plot(report: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    rtts = [r["rtt_ms"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.plot(rtts, [r["autoregressive"]["tokens_per_s"] for r in rows], "o-", label="verifier alone (AR)")
+    ax1.plot(rtts, [r["speculative"]["tokens_per_s"] for r in rows], "o-", label="speculative (services)")
+    if report.get("engine"):
+        ax1.axhline(report["engine"]["tokens_per_s"], color="gray", ls="--", label="in-process engine")
+    for r in rows:
+        for n, c in r.get("concurrency", {}).items():
+            if n != "1":
+                ax1.plot([r["rtt_ms"]], [c["tokens_per_s"]], "k^")
+    ax1.set_xlabel("emulated RTT (ms)")
+    ax1.set_ylabel("tokens/s (log scale)")
+    ax1.set_yscale("log")
+    ax1.set_title("throughput vs RTT (▲ = concurrent aggregate)")
+    ax1.legend()
+    bottom = [0.0] * len(rows)
+    for stage in STAGES:
+        values = [r["speculative"].get("stage_ms", {}).get(stage, 0.0) for r in rows]
+        ax2.bar([str(x) for x in rtts], values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.set_xlabel("emulated RTT (ms)")
+    ax2.set_ylabel("median ms per block")
+    ax2.set_title("speculative round-trip breakdown")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ entry
+
+
+def _validate(args) -> None:
+    args.rtt_list = _float_list(args.rtt_ms, "--rtt-ms")
+    args.concurrency_list = _int_list(args.concurrency, "--concurrency")
+    args.concurrency_rtts = (_float_list(args.concurrency_rtt_ms, "--concurrency-rtt-ms")
+                             if args.concurrency_rtt_ms is not None else list(args.rtt_list))
+    if args.prompts < 1:
+        raise UsageError("--prompts must be >= 1")
+    if args.drafters < 1:
+        raise UsageError("--drafters must be >= 1")
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be >= 1")
+    if not (1 <= args.k <= 64):
+        raise UsageError("--k must be in [1, 64]")
+    if args.draft_top_k < 0:
+        raise UsageError("--draft-top-k must be >= 0 (0 = full vocabulary)")
+    if not (args.temperature >= 0):
+        raise UsageError("--temperature must be >= 0")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"--out: directory {Path(args.out).resolve().parent} does not exist")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise UsageError(f"--plot: directory {Path(args.plot).resolve().parent} does not exist")
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    import torch
+
+    from coordinator.cli import load_tokenizer_and_eos
+    from steerspec.models import load_model
+    from steerspec.models.loading import resolve_model_dir
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    verifier_dir, drafter_dir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
+    args.verifier_dir, args.drafter_dir = verifier_dir, drafter_dir
+    tokenizer, eos = load_tokenizer_and_eos(str(verifier_dir))
+    prompts = _prompts(args, tokenizer)
+    verifier, drafter = load_model(verifier_dir), load_model(drafter_dir)
+    started = time.time()
+    measured = asyncio.run(_measure(args, verifier, drafter, str(verifier_dir), prompts, eos))
+    report: Dict[str, Any] = {
+        "command": "steerspec bench remote " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in (("rtt_ms", args.rtt_ms), ("prompts", args.prompts),
+                                                        ("max_new_tokens", args.max_new_tokens), ("k", args.k),
+                                                        ("draft_top_k", args.draft_top_k),
+                                                        ("temperature", args.temperature),
+                                                        ("concurrency", args.concurrency),
+                                                        ("drafters", args.drafters),
+                                                        ("deployment", args.deployment))),
+        "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
+                   "drafters": args.drafters,
+                   "rtt_ms": args.rtt_list,
+                   "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k,
+                   "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,
+                   "top_p": args.top_p, "concurrency": args.concurrency_list,
+                   "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
+                   "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+        "elapsed_s": None,
+        **measured,
+    }
+    report["targets"] = check_targets(report, args)
+    report["elapsed_s"] = round(time.time() - started, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0

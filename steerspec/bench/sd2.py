@@ -1,0 +1,374 @@
+"""Pretrained vs distilled vs SD² drafters on the bundled eval sets (the SD² paper's Table 1 layout).
+
+For each eval set and drafter: block efficiency τ at T=1 (mean ± sample std over the seeds, τ of a
+seed = generated tokens / verify rounds over all its prompts), τ at T=0, and the speedup in
+tokens/s over the first drafter (the pretrained one) measured in the same run; generations are
+interleaved prompt by prompt so machine load hits every drafter alike. Also reported: accepted
+tokens per block (τ − 1) and their gains, drafting time per block, what the steering adds to it
+(a controlled measurement on the SD² drafter with and without its steering), and the steering
+bytes per verify reply. Prints a table, writes JSON and a bar chart (PNG) of accepted tokens per
+block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from steerspec.errors import UsageError
+
+DEFAULT_DRAFTERS = "pretrained,distilled,sd2"
+DEFAULT_SETS = "indist,tests,docs"
+
+
+@dataclass
+class Tally:
+    """Sums over the generations of one (set, drafter, run)."""
+
+    generated: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    steer_s: float = 0.0
+    pos_drafted: List[int] = field(default_factory=list)
+    pos_accepted: List[int] = field(default_factory=list)
+
+    def add(self, result, steer_s: float = 0.0) -> None:
+        self.generated += result.generated
+        self.rounds += result.rounds
+        self.drafted += result.drafted
+        self.accepted += result.accepted
+        self.wall_s += result.wall_s
+        self.draft_s += result.draft_s
+        self.verify_s += result.verify_s
+        self.steer_s += steer_s
+        for d, a in zip(result.block_drafted, result.block_accepted):
+            while len(self.pos_drafted) < d:
+                self.pos_drafted.append(0)
+                self.pos_accepted.append(0)
+            for i in range(d):
+                self.pos_drafted[i] += 1
+                self.pos_accepted[i] += int(i < a)
+
+    @property
+    def tau(self) -> float:
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _names(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _label(spec: str) -> str:
+    from steerspec.models.loading import ALIASES, BUNDLED_NAMES
+
+    name = ALIASES.get(spec, spec)
+    return name if name in BUNDLED_NAMES else Path(spec).name
+
+
+def load_prompts(set_name: str, eval_dir: Optional[Path], limit: int) -> List[str]:
+    from steerspec.data.evalsets import assets_dir
+
+    path = Path(eval_dir or assets_dir()) / f"{set_name}.jsonl"
+    if not path.is_file():
+        raise UsageError(f"eval set not found: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in rows]
+    return prompts[:limit] if limit > 0 else prompts
+
+
+def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 40) -> Dict:
+    """Drafting time of one k-token block with and without the SD² steering, same drafter, same text.
+
+    Steered = begin_block (W_hml, fp16 wire round trip, W_s biases) + k hooked forward passes;
+    plain = the same k forward passes with the hooks inactive. Runs in pairs whose order alternates
+    (so load drifts hit both alike); overhead = median over pairs of steered / plain − 1.
+    """
+    from steerspec.engine import DecodeConfig, draft_block, prefill
+    from steerspec.models.kv import as_cached
+    from steerspec.sampling import SamplingParams
+
+    verifier = as_cached(verifier)
+    cfg = DecodeConfig(max_new_tokens=k + 1, sampling=SamplingParams(temperature=0.0))
+    committed = list(prompt_ids)
+    hidden = prefill(verifier, committed, steer.verifier_layers)
+    drafter_cached.reset()
+    drafter_cached.extend(committed[:-1])
+    base = drafter_cached.length
+
+    def steered_block() -> Tuple[float, float]:
+        drafter_cached.rollback(base)
+        t0 = time.perf_counter()
+        steer.begin_block(hidden)
+        t1 = time.perf_counter()
+        draft_block(drafter_cached, committed, k, cfg)
+        t2 = time.perf_counter()
+        steer.hooks.clear()
+        return t2 - t0, t1 - t0
+
+    def plain_block() -> float:
+        drafter_cached.rollback(base)
+        t0 = time.perf_counter()
+        draft_block(drafter_cached, committed, k, cfg)
+        return time.perf_counter() - t0
+
+    steered_block(), plain_block()  # warm-up
+    steered, plain, begin, ratios = [], [], [], []
+    for i in range(repeats):
+        if i % 2 == 0:
+            (s, b), p = steered_block(), plain_block()
+        else:
+            p = plain_block()
+            s, b = steered_block()
+        steered.append(s)
+        plain.append(p)
+        begin.append(b)
+        ratios.append(s / p)
+    return {"steered_block_ms": round(statistics.median(steered) * 1e3, 3),
+            "plain_block_ms": round(statistics.median(plain) * 1e3, 3),
+            "begin_block_ms": round(statistics.median(begin) * 1e3, 4),
+            "overhead_pct": round(100.0 * (statistics.median(ratios) - 1.0), 2), "repeats": repeats, "k": k}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
+    parser.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                        help="comma-separated drafter dirs or bundled names, optionally LABEL=DIR; the first is the speedup baseline")
+    parser.add_argument("--sets", default=DEFAULT_SETS, help="comma-separated eval sets (indist, tests, docs)")
+    parser.add_argument("--eval-dir", type=Path, default=None, help="directory of <set>.jsonl (default: bundled)")
+    parser.add_argument("--limit", type=int, default=24, help="prompts per set (0 = all)")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the T=1 runs")
+    parser.add_argument("--k", type=int, default=8, help="draft length")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--draft-top-k", type=int, default=64)
+    parser.add_argument("--no-greedy", action="store_true", help="skip the T=0 run")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_sd2.json"), help="JSON output")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG bar chart (default: OUT with .png)")
+
+
+def run(args) -> int:
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.models.kv import CachedLM
+    from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+    from steerspec.policies.fixed import FixedK
+    from steerspec.sampling import SamplingParams
+    from steerspec.steering.runtime import maybe_steering
+
+    torch.set_num_threads(max(1, args.threads))
+    drafter_specs, sets = _names(args.drafters), _names(args.sets)
+    try:
+        seeds = [int(s) for s in _names(args.seeds)]
+    except ValueError:
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not drafter_specs or not sets or not seeds:
+        raise UsageError("need at least one drafter, one eval set and one seed")
+    if not 1 <= args.k <= 64:
+        raise UsageError(f"--k must be in [1, 64], got {args.k}")
+    vdir = resolve_model_dir(args.verifier)
+    verifier = CachedLM(load_model(vdir))
+    tok = load_tokenizer(vdir)
+    drafters = {}
+    for spec in drafter_specs:
+        label, _, path = spec.rpartition("=")
+        ddir = resolve_model_dir(path)
+        label = label or _label(path)
+        if label in drafters:
+            raise UsageError(f"drafter {label!r} given twice")
+        cached = CachedLM(load_model(ddir))
+        drafters[label] = (cached, maybe_steering(cached, ddir))
+    labels = list(drafters)
+    base = labels[0]
+    eos = eos_token_ids(verifier.model, tok)
+    max_len = context_length(verifier.model)
+    runs = [("T1", s) for s in seeds] + ([] if args.no_greedy else [("T0", None)])
+    prompts = {s: [tok(p, add_special_tokens=False)["input_ids"] for p in load_prompts(s, args.eval_dir, args.limit)]
+               for s in sets}
+    total = sum(len(p) for p in prompts.values()) * len(runs) * len(labels)
+    from tqdm.auto import tqdm
+
+    tallies: Dict[str, Dict[str, Dict[str, Tally]]] = {s: {d: {} for d in labels} for s in sets}
+    bar = tqdm(total=total, desc="bench sd2", mininterval=5.0)
+    started = time.time()
+    for set_name in sets:
+        for mode, seed in runs:
+            run_key = f"{mode}" if seed is None else f"{mode}:seed{seed}"
+            temperature = 1.0 if mode == "T1" else 0.0
+            for i, ids in enumerate(prompts[set_name]):
+                cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=temperature),
+                                   draft_top_k=args.draft_top_k, seed=None if seed is None else seed * 100_003 + i,
+                                   eos_token_ids=eos, max_length=max_len)
+                for label in labels:
+                    cached, steer = drafters[label]
+                    if steer is not None:
+                        steer.reset_stats()
+                    res = speculative_generate(verifier, cached, ids, cfg, policy=FixedK(args.k), steering=steer)
+                    tallies[set_name][label].setdefault(run_key, Tally()).add(res, steer.steer_s if steer else 0.0)
+                    bar.update(1)
+    bar.close()
+    elapsed = time.time() - started
+
+    results: Dict[str, Dict] = {}
+    for set_name in sets:
+        results[set_name] = {}
+        for label in labels:
+            t = tallies[set_name][label]
+            t1 = [t[f"T1:seed{s}"] for s in seeds]
+            taus = [x.tau for x in t1]
+            pooled = Tally()
+            for x in t1:
+                for f in ("generated", "rounds", "drafted", "accepted", "wall_s", "draft_s", "verify_s", "steer_s"):
+                    setattr(pooled, f, getattr(pooled, f) + getattr(x, f))
+            pos = [sum(x.pos_accepted[i] for x in t1 if i < len(x.pos_accepted)) /
+                   max(1, sum(x.pos_drafted[i] for x in t1 if i < len(x.pos_drafted))) for i in range(args.k)]
+            row = {
+                "tau_t1_mean": statistics.mean(taus),
+                "tau_t1_std": statistics.stdev(taus) if len(taus) > 1 else 0.0,
+                "tau_t1_seeds": taus,
+                "accepted_per_block_t1": statistics.mean(taus) - 1.0,
+                "acceptance_rate_t1": pooled.accepted / pooled.drafted if pooled.drafted else None,
+                "accepted_per_position_t1": pos,
+                "tokens_per_s_t1": pooled.tokens_per_s,
+                "draft_ms_per_block_t1": 1e3 * pooled.draft_s / max(1, pooled.rounds),
+                "verify_ms_per_block_t1": 1e3 * pooled.verify_s / max(1, pooled.rounds),
+                "steer_ms_per_block_t1": 1e3 * pooled.steer_s / max(1, pooled.rounds),
+                "generated_t1": pooled.generated, "rounds_t1": pooled.rounds,
+            }
+            if "T0" in t:
+                row.update(tau_t0=t["T0"].tau, accepted_per_block_t0=t["T0"].tau - 1.0, tokens_per_s_t0=t["T0"].tokens_per_s)
+            results[set_name][label] = row
+        ref = results[set_name][base]
+        for label in labels:
+            row = results[set_name][label]
+            row["speedup_t1"] = row["tokens_per_s_t1"] / ref["tokens_per_s_t1"] if ref["tokens_per_s_t1"] else None
+            if "tau_t0" in row:
+                row["speedup_t0"] = row["tokens_per_s_t0"] / ref["tokens_per_s_t0"] if ref["tokens_per_s_t0"] else None
+
+    steer_info = {}
+    for label in labels:
+        cached, steer = drafters[label]
+        if steer is not None:
+            first = prompts[sets[0]][0]
+            steer_info[label] = steering_overhead(verifier, cached, steer, first, args.k)
+            steer_info[label]["bytes_per_reply"] = steer.bytes_per_reply
+            steer_info[label]["verifier_layers"] = steer.verifier_layers
+
+    targets = check_targets(results, labels, steer_info)
+    report = {
+        "command": "steerspec bench sd2 " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                     if k not in ("func",) and not k.endswith("_command") and v not in (None, False)),
+        "config": {"verifier": str(vdir), "drafters": labels, "sets": sets, "seeds": seeds, "k": args.k,
+                   "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
+                   "prompts_per_set": {s: len(p) for s, p in prompts.items()}, "threads": args.threads,
+                   "transport": "inproc", "std": "sample std over seeds (ddof=1)"},
+        "elapsed_s": round(elapsed, 1),
+        "results": results,
+        "steering": steer_info,
+        "targets": targets,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot = args.plot or args.out.with_suffix(".png")
+    make_chart(results, labels, sets, plot, k=args.k)
+    print(format_table(results, labels, sets))
+    for label, info in steer_info.items():
+        print(f"steering ({label}): +{info['overhead_pct']:.1f}% drafting time per block "
+              f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']}), "
+              f"{info['bytes_per_reply']} bytes per reply")
+    for name, t in targets.items():
+        print(f"target {name}: {'PASS' if t['pass'] else 'FAIL'} ({t['detail']})")
+    print(f"wrote {args.out} and {plot} ({elapsed:.0f} s)")
+    return 0
+
+
+def check_targets(results: Dict, labels: List[str], steer_info: Dict) -> Dict:
+    """The issue's targets, when the pretrained/distilled/sd2 drafters were all measured."""
+    out: Dict[str, Dict] = {}
+    if not {"pretrained", "sd2"} <= set(labels):
+        return out
+    if "indist" in results:
+        r = results["indist"]
+        gain = r["sd2"]["accepted_per_block_t1"] / r["pretrained"]["accepted_per_block_t1"] - 1.0
+        out["indist_sd2_vs_pretrained_ge_30pct"] = {"pass": gain >= 0.30, "value": gain,
+                                                    "detail": f"(τ−1) {gain * 100:+.1f}%"}
+        if "distilled" in labels:
+            gain_d = r["sd2"]["accepted_per_block_t1"] / r["distilled"]["accepted_per_block_t1"] - 1.0
+            out["indist_sd2_vs_distilled_ge_15pct"] = {"pass": gain_d >= 0.15, "value": gain_d,
+                                                       "detail": f"(τ−1) {gain_d * 100:+.1f}%"}
+    for s in ("tests", "docs"):
+        if s in results:
+            a, b = results[s]["sd2"], results[s]["pretrained"]
+            spread = a["tau_t1_std"] + b["tau_t1_std"]
+            diff = a["tau_t1_mean"] - b["tau_t1_mean"]
+            out[f"{s}_sd2_not_below_pretrained"] = {"pass": diff >= -spread, "value": diff,
+                                                    "detail": f"Δτ {diff:+.3f}, allowed −{spread:.3f} (sum of seed stds)"}
+    if "sd2" in steer_info:
+        info = steer_info["sd2"]
+        out["steering_overhead_le_5pct"] = {"pass": info["overhead_pct"] <= 5.0, "value": info["overhead_pct"],
+                                            "detail": f"{info['overhead_pct']:+.1f}% drafting time per block"}
+        hidden = info["bytes_per_reply"] // 2
+        out["steering_bytes_le_2dv"] = {"pass": info["bytes_per_reply"] <= 2 * hidden, "value": info["bytes_per_reply"],
+                                        "detail": f"{info['bytes_per_reply']} bytes (d_V = {hidden})"}
+    return out
+
+
+def format_table(results: Dict, labels: List[str], sets: List[str]) -> str:
+    head = f"{'set':8} {'drafter':11} {'τ (T=1)':>15} {'acc/blk':>8} {'speedup':>8} {'τ (T=0)':>8} {'speedup':>8} {'draft ms/blk':>12}"
+    lines = [head, "-" * len(head)]
+    for s in sets:
+        for label in labels:
+            r = results[s][label]
+            t0 = f"{r['tau_t0']:.3f}" if "tau_t0" in r else "-"
+            s0 = f"{r['speedup_t0']:.2f}" if r.get("speedup_t0") is not None else "-"
+            lines.append(f"{s:8} {label:11} {r['tau_t1_mean']:8.3f} ± {r['tau_t1_std']:.3f} "
+                         f"{r['accepted_per_block_t1']:8.3f} {r['speedup_t1']:8.2f} {t0:>8} {s0:>8} "
+                         f"{r['draft_ms_per_block_t1']:12.2f}")
+    return "\n".join(lines)
+
+
+def make_chart(results: Dict, labels: List[str], sets: List[str], path: Path, k: int) -> None:
+    """Grouped bars of accepted tokens per block (τ − 1): solid T=1 with seed std, hatched T=0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = ["#9e9e9e", "#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+    has_t0 = all("tau_t0" in results[s][d] for s in sets for d in labels)
+    per = len(labels) * (2 if has_t0 else 1)
+    width = 0.8 / per
+    fig, ax = plt.subplots(figsize=(2.2 + 2.0 * len(sets), 3.6))
+    for j, label in enumerate(labels):
+        xs = [i + (j * (2 if has_t0 else 1)) * width - 0.4 + width / 2 for i in range(len(sets))]
+        ys = [results[s][label]["accepted_per_block_t1"] for s in sets]
+        err = [results[s][label]["tau_t1_std"] for s in sets]
+        ax.bar(xs, ys, width, yerr=err, capsize=2, color=colors[j % len(colors)], label=f"{label} T=1")
+        if has_t0:
+            ax.bar([x + width for x in xs], [results[s][label]["accepted_per_block_t0"] for s in sets], width,
+                   color=colors[j % len(colors)], alpha=0.55, hatch="//", edgecolor="black", linewidth=0.3,
+                   label=f"{label} T=0")
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels(sets)
+    ax.set_ylabel("accepted tokens per block (τ − 1)")
+    ax.set_title(f"SD² vs baselines, k={k}")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

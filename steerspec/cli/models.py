@@ -1,0 +1,77 @@
+"""`steerspec models`: the bundled models with their parameter counts and paths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+from steerspec.models.loading import ALIASES, BUNDLED_NAMES, MODELS_DIR
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("models", help="list the bundled models", description=__doc__.strip())
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.set_defaults(func=run)
+
+
+def count_parameters(path: Path) -> int:
+    """Parameters stored in a checkpoint's safetensors files (read from headers, no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                numel = 1
+                for dim in handle.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
+def describe() -> List[Dict[str, object]]:
+    rows = []
+    aliases = {v: k for k, v in ALIASES.items()}
+    for name in BUNDLED_NAMES:
+        path = MODELS_DIR / name
+        installed = (path / "config.json").is_file()
+        config = json.loads((path / "config.json").read_text()) if installed else {}
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if installed else 0
+        rows.append({
+            "name": name,
+            "alias": aliases.get(name),
+            "installed": installed,
+            "parameters": count_parameters(path) if installed else None,
+            "architecture": (config.get("architectures") or ["?"])[0] if installed else None,
+            "layers": config.get("num_hidden_layers"),
+            "hidden_size": config.get("hidden_size"),
+            "context": config.get("max_position_embeddings"),
+            "size_mb": round(size / 1e6, 2) if installed else None,
+            "path": str(path),
+        })
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = describe()
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="bundled models")
+    for column in ("name", "parameters", "architecture", "layers", "hidden", "context", "MB", "path"):
+        table.add_column(column, justify="right" if column in ("parameters", "layers", "hidden", "context", "MB") else "left")
+    for row in rows:
+        name = row["name"] + (f" ({row['alias']})" if row["alias"] else "")
+        if not row["installed"]:
+            table.add_row(name, "-", "not installed", "", "", "", "", row["path"])
+            continue
+        table.add_row(name, f"{row['parameters']:,}", str(row["architecture"]), str(row["layers"]),
+                      str(row["hidden_size"]), str(row["context"]), f"{row['size_mb']:.1f}", row["path"])
+    Console(width=200).print(table)
+    return 0

@@ -1,0 +1,224 @@
+"""`steerspec run PROMPT`: generate with speculative decoding (or the verifier alone).
+
+Defaults: the bundled verifier and pretrained drafter, greedy decoding (--temperature 0, so
+`make run` prints the same text every time), k = 8, 64 new tokens, in-process transport.
+Prints the generated text, then one summary line (block efficiency, acceptance rate, tokens/s);
+with --json, one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from typing import List, Tuple
+
+from steerspec.errors import UsageError
+from steerspec.sampling import MAX_DRAFT_TOP_K, SamplingParams
+
+MODES = ("speculative", "autoregressive")
+TRANSPORTS = ("inproc", "grpc")
+DEFAULT_TRANSPORT = "inproc"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--verifier, --drafter, --dtype, --device (shared with benchmarks)."""
+    parser.add_argument("--verifier", default="verifier", metavar="DIR",
+                        help="verifier checkpoint directory or bundled name (default: verifier)")
+    parser.add_argument("--drafter", default="pretrained", metavar="DIR",
+                        help="drafter checkpoint directory or bundled name: pretrained, distilled, sd2 "
+                             "(default: pretrained)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU intra-op threads; 0 = auto: 1 for models under 100M parameters (batch-1 "
+                             "decoding of small models only loses time to thread sync), else torch's default")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling and draft flags (shared with benchmarks)."""
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default: 0, deterministic)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    parser.add_argument("--k", type=int, default=8, help="draft length per block, 1..64 (default: 8)")
+    parser.add_argument("--draft-top-k", type=int, default=64,
+                        help="drafter samples from its top-K tokens; 0 = full vocabulary (default: 64)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="text to continue")
+    add_decoding_arguments(parser)
+    add_model_arguments(parser)
+    parser.add_argument("--mode", default="speculative", choices=MODES,
+                        help="speculative (default) or autoregressive (the verifier alone)")
+    parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
+                        help=f"inproc: both models in this process; grpc: drafter and verifier services "
+                             f"(default: {DEFAULT_TRANSPORT})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="generate text with speculative decoding",
+                                   description=__doc__.strip())
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
+    """Check flags before anything is loaded; UsageError names the flag and its range."""
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not 1 <= args.k <= 64:
+        raise UsageError(f"--k (draft length) must be in [1, 64], got {args.k}")
+    if not 0 <= args.draft_top_k <= MAX_DRAFT_TOP_K:
+        raise UsageError(f"--draft-top-k must be in [0, {MAX_DRAFT_TOP_K}] (0 = full vocabulary), got {args.draft_top_k}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return params
+
+
+def load_pair(args: argparse.Namespace, need_drafter: bool = True):
+    """(verifier, drafter or None, tokenizer) from --verifier/--drafter/--dtype/--device."""
+    from steerspec.models import load_model, load_tokenizer
+
+    verifier = load_model(args.verifier, dtype=args.dtype, device=args.device)
+    apply_threads(getattr(args, "threads", 0), verifier)
+    tokenizer = load_tokenizer(args.verifier)
+    drafter = None
+    if need_drafter:
+        drafter = load_model(args.drafter, dtype=args.dtype, device=args.device)
+        check_same_vocabulary(args.verifier, args.drafter, tokenizer)
+    return verifier, drafter, tokenizer
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+
+
+def apply_threads(threads: int, verifier) -> int:
+    """Set torch's intra-op threads (0 = auto, see --threads); returns the count in use."""
+    import torch
+
+    from steerspec.models import parameter_count
+
+    if threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = auto), got {threads}")
+    if threads == 0 and verifier.device.type == "cpu" and parameter_count(verifier) < SMALL_MODEL_PARAMS:
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def check_same_vocabulary(verifier_dir, drafter_dir, tokenizer) -> None:
+    """Speculative decoding needs one vocabulary on both sides."""
+    from steerspec.models import load_tokenizer, resolve_model_dir
+
+    if resolve_model_dir(verifier_dir) == resolve_model_dir(drafter_dir):
+        return
+    try:
+        other = load_tokenizer(drafter_dir)
+    except UsageError:
+        return  # no tokenizer beside the drafter: assume the verifier's
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"the drafter ({drafter_dir}) and the verifier ({verifier_dir}) use different "
+                         "tokenizers; speculative decoding needs a shared vocabulary")
+
+
+def encode_prompt(tokenizer, prompt: str, max_length: int) -> List[int]:
+    """Token ids of the prompt; UsageError when empty or longer than the context."""
+    if not prompt:
+        raise UsageError("the prompt is empty: pass some text to continue")
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise UsageError("the prompt is empty after tokenization: pass some text to continue")
+    if len(ids) >= max_length:
+        raise UsageError(f"the prompt has {len(ids)} tokens but the model context is {max_length} tokens "
+                         f"(prompt plus at least one new token must fit): shorten it")
+    return ids
+
+
+def decode_config(args: argparse.Namespace, params: SamplingParams, verifier, drafter, tokenizer):
+    from steerspec.engine import DecodeConfig
+    from steerspec.models import context_length, eos_token_ids
+
+    limit = context_length(verifier)
+    if drafter is not None:
+        limit = min(limit, context_length(drafter))
+    return DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, draft_top_k=args.draft_top_k,
+                        seed=args.seed, eos_token_ids=eos_token_ids(verifier, tokenizer), max_length=limit)
+
+
+def _grpc_runner():
+    """coordinator.local.run_distributed when the distributed path is installed, else None."""
+    if importlib.util.find_spec("coordinator") is None or importlib.util.find_spec("coordinator.local") is None:
+        return None
+    return getattr(importlib.import_module("coordinator.local"), "run_distributed", None)
+
+
+def generate(args: argparse.Namespace) -> Tuple[object, object]:
+    """Validate, load, generate; returns (GenerationResult, tokenizer)."""
+    from steerspec.engine import autoregressive_generate, speculative_generate
+    from steerspec.policies import FixedK
+
+    if not args.prompt:
+        raise UsageError("the prompt is empty: pass some text to continue")
+    params = validate_decoding_args(args)
+    speculative = args.mode == "speculative"
+    runner = _grpc_runner() if args.transport == "grpc" else None
+    if args.transport == "grpc" and runner is None:
+        sys.stderr.write("steerspec: note: the grpc transport (coordinator.local) is not installed; "
+                         "running in-process\n")
+    if runner is not None:
+        # the services load the weights; here only the tokenizer and the context limit are needed
+        from steerspec.models import load_tokenizer, resolve_model_dir
+        from steerspec.models.loading import _check_swiglu
+
+        configs = [_check_swiglu(resolve_model_dir(args.verifier))]
+        if speculative:
+            configs.append(_check_swiglu(resolve_model_dir(args.drafter)))
+        tokenizer = load_tokenizer(args.verifier)
+        if speculative:
+            check_same_vocabulary(args.verifier, args.drafter, tokenizer)
+        limit = min(int(c.get("max_position_embeddings") or 2048) for c in configs)
+        prompt_ids = encode_prompt(tokenizer, args.prompt, limit)
+        result = runner(args, prompt_ids)
+        if not getattr(result, "text", "") and getattr(result, "token_ids", None):
+            result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result, tokenizer
+    verifier, drafter, tokenizer = load_pair(args, need_drafter=speculative)
+    config = decode_config(args, params, verifier, drafter, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
+    if speculative:
+        result = speculative_generate(verifier, drafter, prompt_ids, config, FixedK(args.k), tokenizer=tokenizer)
+    else:
+        result = autoregressive_generate(verifier, prompt_ids, config, tokenizer=tokenizer)
+    return result, tokenizer
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def run(args: argparse.Namespace) -> int:
+    result, _ = generate(args)
+    if args.json:
+        payload = dict(result.to_json())
+        payload.update({"k": args.k if args.mode == "speculative" else 0, "temperature": args.temperature,
+                        "top_p": args.top_p, "top_k": args.top_k, "draft_top_k": args.draft_top_k,
+                        "seed": args.seed, "verifier": str(args.verifier),
+                        "drafter": str(args.drafter) if args.mode == "speculative" else None,
+                        "transport": args.transport, "threads": _torch_threads()})
+        sys.stdout.write(json.dumps(payload) + "\n")
+    else:
+        sys.stdout.write(result.text + "\n")
+        sys.stdout.write(result.summary() + "\n")
+    return 0

@@ -1,0 +1,329 @@
+"""The in-process speculative-decoding engine: a few plain functions (gpt-fast style).
+
+Protocol (CONTRACT.md, identical in-process and over gRPC). The committed sequence is
+x_1..x_n; the last committed token x_n is *pending*: neither KV cache holds it yet.
+
+- `prefill`: the verifier feeds prompt[:-1]; its hidden states at the last fed position seed
+  the first steering vector (zeros for a one-token prompt).
+- `draft_block`: the drafter feeds committed[drafter.length:] (ends with the pending token) and
+  then each draft it samples, proposing d_1..d_k; its cache ends holding committed + d_1..d_{k-1}.
+- `verify_block`: the verifier feeds [pending, d_1..d_k]; row i of its logits scores d_{i+1},
+  row k is the bonus. Greedy: compare argmaxes; else exact rejection sampling against the
+  drafter's sparse top-K distribution. The verifier rolls back to n + a tokens (committed plus
+  the accepted drafts, minus the new pending token t); the caller rolls the drafter back to
+  min(drafter.length, n + a).
+
+Randomness: `seed` seeds two generators, the drafter's with `seed` and the verifier's with
+`seed + 1` (they live in different processes when distributed), so a seed fixes the output.
+The drafter samples from truncate_top_k(probs_from_logits(logits, T, top_k, top_p), draft_top_k).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from steerspec.metrics import GenerationResult
+from steerspec.models.kv import CachedLM, as_cached
+from steerspec.policies.base import DraftLengthPolicy
+from steerspec.policies.fixed import FixedK
+from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits, sample, sample_sparse, truncate_top_k
+from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
+
+
+@dataclass
+class DecodeConfig:
+    """How to decode: sampling parameters, draft top-K, limits, seed."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    draft_top_k: int = 64
+    seed: Optional[int] = None
+    eos_token_ids: Tuple[int, ...] = ()
+    max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+
+class DrafterSteering(Protocol):
+    """Extension point for SD²: receives the verifier's hidden states before each block.
+
+    `verifier_layers` names the decoder layers whose *input* hidden states the verifier returns;
+    `begin_block(hidden [L, D])` gets them at the position whose logits produced the pending
+    token, and may install a bias on the drafter (e.g. on every up-projection) for the block.
+    """
+
+    verifier_layers: Sequence[int]
+
+    def begin_block(self, hidden: Tensor) -> None: ...
+
+
+@dataclass
+class RoundRecord:
+    """One verify round as seen by `on_round` callbacks."""
+
+    drafted: int
+    accepted: int
+    committed: List[int]
+    draft_s: float
+    verify_s: float
+
+
+def make_generators(seed: Optional[int], drafter_device="cpu", verifier_device="cpu") -> Tuple[torch.Generator, torch.Generator]:
+    """(drafter generator seeded with seed, verifier generator seeded with seed + 1)."""
+    g_draft = torch.Generator(device=drafter_device)
+    g_verify = torch.Generator(device=verifier_device)
+    if seed is None:
+        g_draft.seed()
+        g_verify.seed()
+    else:
+        g_draft.manual_seed(int(seed) % (2**63))
+        g_verify.manual_seed((int(seed) + 1) % (2**63))
+    return g_draft, g_verify
+
+
+def _check_prompt(prompt_ids: Sequence[int], config: DecodeConfig) -> List[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt must contain at least one token")
+    if config.max_length is not None and len(prompt) > config.max_length:
+        raise ValueError(f"prompt has {len(prompt)} tokens; the model context is {config.max_length}")
+    return prompt
+
+
+def prefill(verifier: CachedLM, prompt_ids: Sequence[int], hidden_layers: Optional[Sequence[int]] = None) -> Optional[Tensor]:
+    """Reset the verifier and feed prompt[:-1]; return hidden states [L, D] at the last fed position."""
+    verifier.reset()
+    out = verifier.extend(prompt_ids[:-1], hidden_layers, logits_to_keep=1)
+    if not hidden_layers:
+        return None
+    if out.hidden.shape[1] == 0:
+        return torch.zeros(len(hidden_layers), verifier.hidden_size, device=verifier.device)
+    return out.hidden[:, -1]
+
+
+def draft_block(
+    drafter: CachedLM,
+    committed: Sequence[int],
+    k: int,
+    config: DecodeConfig,
+    generator: Optional[torch.Generator] = None,
+    policy: Optional[DraftLengthPolicy] = None,
+) -> DraftBlock:
+    """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy)."""
+    params = config.sampling
+    greedy = params.greedy
+    stops_early = policy is not None and getattr(policy, "stops_early", False)
+    feed: object = committed[drafter.length:]
+    tokens: List[Tensor] = []
+    q_ids: List[Tensor] = []
+    q_probs: List[Tensor] = []
+    for i in range(k):
+        logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
+        if greedy:
+            token = logits.argmax(-1)  # [1]
+            probs = logits.softmax(-1)[0] if stops_early else None
+        else:
+            probs_full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+            dist = truncate_top_k(probs_full, config.draft_top_k)
+            token = sample_sparse(dist, generator)  # [1]
+            q_ids.append(dist.ids)
+            q_probs.append(dist.probs)
+            probs = probs_full[0]
+        tokens.append(token)
+        if stops_early and i + 1 < k and policy.should_stop(probs, i):
+            break
+        feed = token
+    if tokens:
+        block_tokens = torch.cat(tokens).view(1, -1)
+    else:
+        block_tokens = torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
+    lengths = torch.tensor([len(tokens)], device=drafter.device)
+    q = None
+    if not greedy and tokens:
+        q = SparseDist(ids=torch.stack(q_ids, dim=1), probs=torch.stack(q_probs, dim=1))  # [1, K, S]
+    return DraftBlock(tokens=block_tokens, lengths=lengths, q=q)
+
+
+def verify_block(
+    verifier: CachedLM,
+    pending: int,
+    block: DraftBlock,
+    config: DecodeConfig,
+    generator: Optional[torch.Generator] = None,
+    hidden_layers: Optional[Sequence[int]] = None,
+) -> Tuple[VerifyOutcome, Optional[Tensor]]:
+    """Score [pending, d_1..d_k] in one forward pass, accept/reject, roll the verifier back.
+
+    Returns the outcome and, when `hidden_layers` is given, the hidden states [L, D] at the
+    position whose logits produced the new pending token (for the next steering vector).
+    """
+    start = verifier.length
+    device = verifier.device
+    drafts = block.tokens[0].to(device)
+    feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), drafts])
+    out = verifier.extend(feed, hidden_layers)
+    logits = out.logits.unsqueeze(0)  # [1, k+1, V]
+    if block.tokens.device != device:
+        block = DraftBlock(block.tokens.to(device), block.lengths.to(device),
+                           None if block.q is None else SparseDist(block.q.ids.to(device), block.q.probs.to(device)))
+    params = config.sampling
+    if params.greedy:
+        outcome = greedy_verify(logits, block)
+    else:
+        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+        outcome = rejection_sample(probs, block, generator)
+    accepted = int(outcome.accepted[0])
+    verifier.rollback(start + 1 + accepted)
+    hidden = out.hidden[:, accepted] if hidden_layers else None
+    return outcome, hidden
+
+
+def _commit(new_tokens: List[int], budget: int, eos: Tuple[int, ...]) -> Tuple[List[int], Optional[str]]:
+    """Cut a block's tokens at the token budget and after the first EOS; say why we stop."""
+    reason = None
+    if len(new_tokens) >= budget:
+        new_tokens, reason = new_tokens[:budget], "length"
+    for i, t in enumerate(new_tokens):
+        if t in eos:
+            return new_tokens[: i + 1], "eos"
+    return new_tokens, reason
+
+
+def speculative_generate(
+    verifier,
+    drafter,
+    prompt_ids: Sequence[int],
+    config: DecodeConfig,
+    policy: Optional[DraftLengthPolicy] = None,
+    steering: Optional[DrafterSteering] = None,
+    tokenizer=None,
+    on_round: Optional[Callable[[RoundRecord], None]] = None,
+) -> GenerationResult:
+    """Generate with the drafter proposing and the verifier verifying (lossless).
+
+    `verifier` / `drafter` are models or CachedLM wrappers (reused caches avoid re-allocation).
+    """
+    verifier, drafter = as_cached(verifier), as_cached(drafter)
+    prompt = _check_prompt(prompt_ids, config)
+    policy = policy if policy is not None else FixedK(8)
+    policy.reset()
+    g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
+    layers = list(steering.verifier_layers) if steering is not None else None
+    eos = tuple(config.eos_token_ids)
+    limit = config.max_length
+    result = GenerationResult(token_ids=[], mode="speculative", prompt_tokens=len(prompt))
+
+    t_start = time.perf_counter()
+    hidden = prefill(verifier, prompt, layers)
+    drafter.reset()
+    committed = list(prompt)
+    generated: List[int] = []
+    reason = None
+    while reason is None:
+        n = len(committed)
+        remaining = config.max_new_tokens - len(generated)
+        if remaining <= 0:
+            reason = "length"
+            break
+        room = remaining if limit is None else min(remaining, limit - n)
+        if room <= 0:
+            reason = "context"
+            break
+        k = min(policy.next_k(), room - 1)  # a block commits at most k + 1 tokens
+        if steering is not None:
+            steering.begin_block(hidden)
+        t0 = time.perf_counter()
+        block = draft_block(drafter, committed, max(k, 0), config, g_draft, policy)
+        t1 = time.perf_counter()
+        outcome, hidden = verify_block(verifier, committed[-1], block, config, g_verify, layers)
+        t2 = time.perf_counter()
+        drafted = int(block.tokens.shape[1])
+        accepted = int(outcome.accepted[0])
+        new_tokens = block.tokens[0, :accepted].tolist()
+        new_tokens.append(int(outcome.next_tokens[0]))
+        if drafter.length > n + accepted:
+            drafter.rollback(n + accepted)
+        new_tokens, reason = _commit(new_tokens, room, eos)
+        if reason == "length" and room < remaining:
+            reason = "context"
+        committed.extend(new_tokens)
+        generated.extend(new_tokens)
+        result.rounds += 1
+        result.drafted += drafted
+        result.accepted += accepted
+        result.block_drafted.append(drafted)
+        result.block_accepted.append(accepted)
+        result.draft_s += t1 - t0
+        result.verify_s += t2 - t1
+        if drafted:
+            policy.update(accepted, drafted)
+        if on_round is not None:
+            on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
+    if verifier.device.type == "cuda":
+        torch.cuda.synchronize(verifier.device)
+    result.wall_s = time.perf_counter() - t_start
+    result.token_ids = generated
+    result.stop_reason = reason
+    if tokenizer is not None:
+        result.text = tokenizer.decode(generated, skip_special_tokens=True)
+    return result
+
+
+def autoregressive_generate(
+    verifier,
+    prompt_ids: Sequence[int],
+    config: DecodeConfig,
+    tokenizer=None,
+) -> GenerationResult:
+    """The baseline: the verifier alone, one token per forward pass (same protocol, k = 0)."""
+    verifier = as_cached(verifier)
+    prompt = _check_prompt(prompt_ids, config)
+    params = config.sampling
+    _, g_verify = make_generators(config.seed, verifier.device, verifier.device)
+    if config.seed is not None:
+        g_verify.manual_seed(int(config.seed) % (2**63))  # direct sampling: the seed itself
+    eos = tuple(config.eos_token_ids)
+    limit = config.max_length
+    result = GenerationResult(token_ids=[], mode="autoregressive", prompt_tokens=len(prompt))
+
+    t_start = time.perf_counter()
+    prefill(verifier, prompt)
+    pending = torch.tensor([prompt[-1]], dtype=torch.long, device=verifier.device)
+    generated: List[int] = []
+    reason = None
+    n = len(prompt)
+    while reason is None:
+        if len(generated) >= config.max_new_tokens:
+            reason = "length"
+            break
+        if limit is not None and n >= limit:
+            reason = "context"
+            break
+        logits = verifier.extend(pending).logits  # [1, V]
+        if params.greedy:
+            pending = logits.argmax(-1)
+        else:
+            probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+            pending = sample(probs, g_verify)
+        token = int(pending)
+        generated.append(token)
+        n += 1
+        result.rounds += 1
+        if token in eos:
+            reason = "eos"
+    if verifier.device.type == "cuda":
+        torch.cuda.synchronize(verifier.device)
+    result.wall_s = time.perf_counter() - t_start
+    result.verify_s = result.wall_s
+    result.token_ids = generated
+    result.stop_reason = reason
+    if tokenizer is not None:
+        result.text = tokenizer.decode(generated, skip_special_tokens=True)
+    return result

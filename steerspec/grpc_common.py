@@ -1,0 +1,111 @@
+"""Server bootstrap shared by the verifier, drafter and coordinator: grpc.aio + health + reflection.
+
+    server = await start_server([(add_VerifierServiceServicer_to_server, servicer)],
+                                ["steerspec.v1.VerifierService"], host="127.0.0.1", port=0)
+    print(server.port)            # the bound port (port 0 picks a free one)
+    await server.stop(grace=5.0)  # NOT_SERVING, then finish in-flight calls for `grace` seconds
+
+`grpc.aio.server` is looked up at call time so that `steerspec.tracing.instrument_grpc()` (when
+called first) adds its server interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+Registration = Tuple[Callable[[object, grpc.aio.Server], None], object]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> List[Tuple[str, int]]:
+    """Options for servers and channels: message size limits both ways, keepalive off by default."""
+    return [
+        ("grpc.max_receive_message_length", int(max_message_bytes)),
+        ("grpc.max_send_message_length", int(max_message_bytes)),
+    ]
+
+
+@dataclass
+class RunningServer:
+    """A started grpc.aio server, its bound port and its health servicer."""
+
+    server: grpc.aio.Server
+    host: str
+    port: int
+    health: health_aio.HealthServicer
+    service_names: Sequence[str]
+    on_stop: List[Callable[[], object]] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: Optional[float] = 5.0) -> None:
+        """Graceful shutdown: report NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        await self.set_serving(False)
+        await self.server.stop(grace)
+        for callback in self.on_stop:
+            result = callback()
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    registrations: Iterable[Registration],
+    service_names: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Optional[Sequence[grpc.aio.ServerInterceptor]] = None,
+) -> RunningServer:
+    """Start a grpc.aio server with `registrations` plus health and reflection; return it bound."""
+    server = grpc.aio.server(interceptors=list(interceptors or []), options=channel_options(max_message_bytes))
+    for add, servicer in registrations:
+        add(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port} (address in use or not available)")
+    await server.start()
+    running = RunningServer(server=server, host=host, port=bound, health=health, service_names=names)
+    await running.set_serving(True)
+    return running
+
+
+async def serve_until_signal(running: RunningServer, grace: float = 5.0) -> None:
+    """Block until SIGINT/SIGTERM, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
+            pass
+    waiter = asyncio.ensure_future(running.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        await running.stop(grace)
+    for task in (waiter, stopper):
+        task.cancel()

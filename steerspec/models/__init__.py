@@ -1,0 +1,29 @@
+"""Model loading (local SwiGLU checkpoints, bundled tiny pair) and KV-cached stepping."""
+
+from steerspec.models.kv import CachedLM, FastCachedLM, StepOutput, as_cached, cached_lm
+from steerspec.models.loading import (
+    BUNDLED_NAMES,
+    bundled_models,
+    context_length,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    parameter_count,
+    resolve_model_dir,
+)
+
+__all__ = [
+    "BUNDLED_NAMES",
+    "CachedLM",
+    "FastCachedLM",
+    "cached_lm",
+    "StepOutput",
+    "as_cached",
+    "bundled_models",
+    "context_length",
+    "eos_token_ids",
+    "load_model",
+    "load_tokenizer",
+    "parameter_count",
+    "resolve_model_dir",
+]

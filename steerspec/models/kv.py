@@ -1,0 +1,361 @@
+"""A causal LM with its own KV cache: extend by a block, roll back to an accepted length.
+
+Both sides of speculative decoding hold one (batch 1). Two backends, one interface
+(`length`, `extend(ids, hidden_layers=None, logits_to_keep=0) -> StepOutput`, `rollback(n)`,
+`reset()`); `cached_lm(model)` picks the fast one when the architecture allows:
+
+- `CachedLM`: the transformers forward with a `DynamicCache`; rollback crops it (transformers
+  5.x `crop` takes a negative count to remove). Hidden states entering chosen decoder layers
+  are captured by forward pre-hooks registered once, idle unless a call asks for them.
+- `FastCachedLM`: a lean forward over the same parameters with preallocated per-layer K/V
+  buffers (rollback moves an index); several times less per-call overhead on small models.
+
+After any rollback the next-token logits equal a fresh full forward over the kept prefix
+(tests/test_models_kv.py checks both backends to 1e-4).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TokenIds = Union[Sequence[int], Tensor]
+
+
+class StepOutput(NamedTuple):
+    """logits [n, V] for the fed positions (or the last ones kept); hidden [L, n, D] or None."""
+
+    logits: Tensor
+    hidden: Optional[Tensor]
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a Llama/Qwen/Mistral-style causal LM."""
+    return model.get_decoder().layers
+
+
+class CachedLM:
+    """One sequence (batch 1) and its KV cache over a Hugging Face causal LM."""
+
+    def __init__(self, model) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = model.device
+        self._cache_cls = DynamicCache
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self.layers = decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(model.config.hidden_size)
+        self.vocab_size = int(model.config.vocab_size)
+        self._want: frozenset = frozenset()  # layers to capture while a capturing call runs
+        self._captured: dict = {}
+        self._hooked: set = set()
+
+    def __repr__(self) -> str:
+        return f"CachedLM({type(self.model).__name__}, length={self.length})"
+
+    def _hook(self, index: int):
+        def pre_hook(module, args, kwargs):
+            if index in self._want:
+                self._captured[index] = args[0] if args else kwargs["hidden_states"]
+
+        return pre_hook
+
+    def _ensure_hooks(self, layers: Sequence[int]) -> None:
+        for index in layers:
+            if index not in self._hooked:
+                if not 0 <= index < self.num_layers:
+                    raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")
+                self.layers[index].register_forward_pre_hook(self._hook(index), with_kwargs=True)
+                self._hooked.add(index)
+
+    def as_tensor(self, ids: TokenIds) -> Tensor:
+        """Token ids -> LongTensor [1, n] on the model's device (no copy when already so)."""
+        if isinstance(ids, Tensor):
+            t = ids.to(device=self.device, dtype=torch.long)
+            return t.view(1, -1)
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def extend(self, ids: TokenIds, hidden_layers: Optional[Sequence[int]] = None,
+               logits_to_keep: int = 0) -> StepOutput:
+        """Feed `ids` after the cached prefix; return their logits (and hidden states entering
+        `hidden_layers`, [L, n, D]). `logits_to_keep` > 0 keeps only the last rows (prefill)."""
+        input_ids = self.as_tensor(ids)
+        n = input_ids.shape[1]
+        if n == 0:
+            hidden = None
+            if hidden_layers:
+                hidden = torch.zeros(len(hidden_layers), 0, self.hidden_size, device=self.device)
+            return StepOutput(torch.zeros(0, self.vocab_size, device=self.device), hidden)
+        if hidden_layers:
+            self._ensure_hooks(hidden_layers)
+            self._want = frozenset(hidden_layers)
+        try:
+            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
+        except BaseException:
+            # a failed forward may leave a partial cache behind: drop it to stay consistent
+            self._want = frozenset()
+            self._captured = {}
+            self.reset()
+            raise
+        self.length += n
+        hidden = None
+        if hidden_layers:
+            self._want = frozenset()
+            hidden = torch.stack([self._captured[layer][0] for layer in hidden_layers])
+            self._captured = {}
+        return StepOutput(out.logits[0], hidden)
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+
+    def reset(self) -> None:
+        """Empty the cache (a new sequence)."""
+        self.cache = self._cache_cls(config=self.model.config)
+        self.length = 0
+
+
+class FastCachedLM(CachedLM):
+    """The same interface with a lean forward pass and a preallocated KV cache (gpt-fast style).
+
+    It computes with the model's own parameters (shared, never copied, so in-place updates are
+    seen) and skips transformers' per-call machinery (mask building, output recording, cache
+    objects, module dispatch). Keys and values live in per-layer buffers that grow by doubling;
+    rollback only moves `length`. Rotary tables come once from the model's own rotary module.
+    A layer whose norms, projections or MLP carry forward hooks (or an overridden `forward`) is
+    run through those modules instead, so hooks keep working. The SD² steering bias has a direct
+    path: `set_up_bias([b_0 .. b_{L-1}])` adds b_l to the up branch of layer l's MLP.
+    Used for Llama/Qwen2/Qwen3/Mistral without an active sliding window (`supports(model)`).
+    If modules or parameters of the model are *replaced* after wrapping, call `refresh()`.
+    """
+
+    def __init__(self, model, capacity: int = 256) -> None:
+        super().__init__(model)
+        config = model.config
+        self.cache = None
+        first = self.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.scaling = float(first.scaling)
+        self.decoder = model.get_decoder()
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self.up_bias: Optional[List[Optional[Tensor]]] = None
+        self._capacity = 0
+        self._keys: List[Tensor] = []
+        self._values: List[Tensor] = []
+        self._cos = self._sin = None
+        self.refresh()
+        self._grow(min(capacity, self.max_positions))
+
+    def refresh(self) -> None:
+        """Re-read parameter references from the model (after replacing modules or parameters)."""
+        self._embed = self.decoder.embed_tokens.weight
+        norm = self.decoder.norm
+        self._final_norm = (norm.weight, float(norm.variance_epsilon))
+        head = self.model.lm_head
+        self._head = (head.weight, head.bias)
+        self._plans = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            watched = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj, attn.k_proj,
+                       attn.v_proj, attn.o_proj, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            watched += [m for m in (q_norm, k_norm) if m is not None]
+            self._plans.append((
+                watched,
+                (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
+                (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
+                (attn.q_proj.weight, attn.q_proj.bias), (attn.k_proj.weight, attn.k_proj.bias),
+                (attn.v_proj.weight, attn.v_proj.bias), (attn.o_proj.weight, attn.o_proj.bias),
+                None if q_norm is None else (q_norm.weight, float(q_norm.variance_epsilon)),
+                None if k_norm is None else (k_norm.weight, float(k_norm.variance_epsilon)),
+                (mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias),
+                (mlp.down_proj.weight, mlp.down_proj.bias),
+            ))
+
+    def set_up_bias(self, biases: Optional[Sequence[Optional[Tensor]]]) -> None:
+        """SD² steering: add biases[l] ([intermediate]) to the up branch of layer l; None clears."""
+        if biases is not None and len(biases) != self.num_layers:
+            raise ValueError(f"need one bias per layer ({self.num_layers}), got {len(biases)}")
+        self.up_bias = None if biases is None else list(biases)
+
+    @staticmethod
+    def supports(model) -> bool:
+        config = model.config
+        if config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+            return False
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            return False
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or []
+        if window and ("sliding_attention" in layer_types or config.model_type == "mistral"):
+            if window < int(getattr(config, "max_position_embeddings", 0) or 0):
+                return False
+        attn = decoder_layers(model)[0].self_attn
+        return all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self._capacity:
+            return
+        capacity = max(needed, 2 * self._capacity, 16)
+        shape = (1, self.num_kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for old, new in zip(self._keys + self._values, keys + values):
+            new[:, :, : self.length] = old[:, :, : self.length]
+        self._keys, self._values = keys, values
+        self._capacity = capacity
+        positions = torch.arange(capacity, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            cos, sin = self.decoder.rotary_emb(probe, positions)
+        self._cos, self._sin = cos[0], sin[0]  # [capacity, head_dim]
+
+    @torch.inference_mode()
+    def extend(self, ids: TokenIds, hidden_layers: Optional[Sequence[int]] = None,
+               logits_to_keep: int = 0) -> StepOutput:
+        input_ids = self.as_tensor(ids)
+        n = input_ids.shape[1]
+        start = self.length
+        end = start + n
+        if n == 0:
+            return super().extend(ids, hidden_layers, logits_to_keep)
+        if hidden_layers:
+            for index in hidden_layers:
+                if not 0 <= index < self.num_layers:
+                    raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")
+        self._grow(end)
+        want = frozenset(hidden_layers or ())
+        captured = {}
+        cos = self._cos[start:end].view(1, 1, n, self.head_dim)
+        sin = self._sin[start:end].view(1, 1, n, self.head_dim)
+        mask = None
+        if n > 1:
+            # new row i sees every cached token and new tokens 0..i
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
+        hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
+        gqa = heads != kv_heads
+        linear, rms_norm = F.linear, _rms_norm
+        global_hooks = _has_global_hooks()
+        up_bias = self.up_bias
+        x = F.embedding(input_ids, self._embed)  # [1, n, D]
+        for index, layer in enumerate(self.layers):
+            if index in want:
+                captured[index] = x[0]
+            plan = self._plans[index]
+            hooked = global_hooks or _has_hooks(plan[0])
+            bias = None if up_bias is None else up_bias[index]
+            if hooked:
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_proj(h).view(1, n, heads, hd)
+                k = attn.k_proj(h).view(1, n, kv_heads, hd)
+                v = attn.v_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
+                if plan[7] is not None:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+            else:
+                h = rms_norm(x, *plan[1])
+                q = linear(h, *plan[3]).view(1, n, heads, hd)
+                k = linear(h, *plan[4]).view(1, n, kv_heads, hd)
+                v = linear(h, *plan[5]).view(1, n, kv_heads, hd).transpose(1, 2)
+                if plan[7] is not None:
+                    q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = self._keys[index], self._values[index]
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            o = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+            o = o.transpose(1, 2).reshape(1, n, heads * hd)
+            if hooked:
+                mlp = layer.mlp
+                x = x + layer.self_attn.o_proj(o)
+                h = layer.post_attention_layernorm(x)
+                if bias is None:
+                    x = x + mlp(h)
+                else:
+                    x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * (mlp.up_proj(h) + bias))
+            else:
+                x = x + linear(o, *plan[6])
+                h = rms_norm(x, *plan[2])
+                up = linear(h, *plan[10])
+                if bias is not None:
+                    up = up + bias
+                x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+        self.length = end
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = linear(rms_norm(x, *self._final_norm), *self._head)[0]
+        hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
+        return StepOutput(logits, hidden)
+
+    def rollback(self, length: int) -> None:
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm (float32 statistics, weight applied in the input dtype)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _has_hooks(modules) -> bool:
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            return True
+    return False
+
+
+def _has_global_hooks() -> bool:
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+BACKENDS = ("auto", "fast", "hf")
+
+
+def cached_lm(model, backend: str = "auto") -> CachedLM:
+    """A KV-cached wrapper: `fast` (lean forward, static cache), `hf` (transformers forward,
+    DynamicCache) or `auto` (fast when the architecture qualifies)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    if backend == "fast" or (backend == "auto" and FastCachedLM.supports(model)):
+        if not FastCachedLM.supports(model):
+            raise ValueError(f"the fast backend does not support {type(model).__name__}")
+        return FastCachedLM(model)
+    return CachedLM(model)
+
+
+def as_cached(model_or_cached, backend: str = "auto") -> CachedLM:
+    """Wrap a model in a cached LM, or pass a CachedLM through."""
+    return model_or_cached if isinstance(model_or_cached, CachedLM) else cached_lm(model_or_cached, backend)

@@ -1,0 +1,140 @@
+"""Load SwiGLU decoder checkpoints (Llama, Qwen2, Qwen3, Mistral) from local directories only.
+
+Bundled names (`verifier`, `pretrained` / `drafter`, `distilled`, `sd2`) resolve to the tiny pair
+shipped in `steerspec/assets/models/<name>/`. A hub id is refused: SteerSpec never downloads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Union
+
+import torch
+
+from steerspec.errors import UsageError
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+MODELS_DIR = ASSETS_DIR / "models"
+BUNDLED_NAMES = ("verifier", "pretrained", "distilled", "sd2")
+ALIASES = {"drafter": "pretrained"}
+SWIGLU_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def bundled_models() -> Dict[str, Path]:
+    """Bundled model names that are installed, mapped to their directories."""
+    return {n: MODELS_DIR / n for n in BUNDLED_NAMES if (MODELS_DIR / n / "config.json").is_file()}
+
+
+def resolve_model_dir(name_or_dir: Union[str, Path]) -> Path:
+    """A bundled name or a local checkpoint directory -> its directory; UsageError otherwise."""
+    text = str(name_or_dir).strip()
+    if not text:
+        raise UsageError("empty model name: pass a local checkpoint directory or a bundled name "
+                         f"({', '.join(BUNDLED_NAMES)})")
+    name = ALIASES.get(text, text)
+    if name in BUNDLED_NAMES and not Path(text).exists():
+        path = MODELS_DIR / name
+        if not (path / "config.json").is_file():
+            raise UsageError(f"bundled model '{name}' is not installed at {path} "
+                             f"(it is made by `steerspec train`); pass a local directory instead")
+        return path
+    path = Path(text).expanduser()
+    if not path.exists():
+        looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+        if looks_like_hub:
+            raise UsageError(f"'{text}' looks like a Hugging Face hub id; SteerSpec loads local files only: "
+                             "download the checkpoint and pass its local directory")
+        raise UsageError(f"model directory not found: {text}; pass a local checkpoint directory or a "
+                         f"bundled name ({', '.join(BUNDLED_NAMES)})")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UsageError(f"{text} is not a checkpoint directory (no config.json); pass a local directory "
+                         "saved with save_pretrained")
+    return path.resolve()
+
+
+def _check_swiglu(path: Path) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    model_type = config.get("model_type", "?")
+    act = config.get("hidden_act", "silu")
+    if model_type not in SWIGLU_MODEL_TYPES or act not in ("silu", "swish"):
+        raise UsageError(f"unsupported architecture '{model_type}' (hidden_act={act}) in {path}: SteerSpec "
+                         "loads SwiGLU decoders only (Llama, Qwen2, Qwen3, Mistral)")
+    return config
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: Union[str, torch.device]) -> torch.device:
+    """cpu | cuda | cuda:N | auto (cuda when available, else cpu)."""
+    text = str(device)
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
+        raise UsageError(f"unknown device '{text}': use cpu, cuda, cuda:N or auto")
+    if text.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device '{text}' requested but CUDA is not available; use --device cpu")
+        index = int(text[5:]) if ":" in text else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"device '{text}' does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return torch.device(text)
+
+
+def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "float32",
+               device: Union[str, torch.device] = "cpu"):
+    """Load a causal LM from a local directory or bundled name, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = resolve_model_dir(name_or_dir)
+    _check_swiglu(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load model from {path}: {str(exc).splitlines()[0]}") from exc
+    model.to(torch_device).eval()
+    model.requires_grad_(False)
+    if model.generation_config.pad_token_id is None and model.generation_config.eos_token_id is not None:
+        eos = model.generation_config.eos_token_id
+        model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return model
+
+
+def load_tokenizer(name_or_dir: Union[str, Path]):
+    """The tokenizer saved beside a checkpoint (local files only)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(name_or_dir)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from exc
+
+
+def context_length(model) -> int:
+    """The longest sequence the model was built for (max_position_embeddings)."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple:
+    """End-of-sequence ids from the generation config, else the tokenizer."""
+    eos = model.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,436 @@
+"""Distil the drafter on the verifier's synthetic answers (the SD² paper's "Distilled" baseline).
+
+Loss: forward KL(p_V ‖ q_D) per token, summed over the vocabulary and averaged over answer tokens
+(prompt positions carry no loss), with the verifier's logits computed on the fly (verifier
+frozen). AdamW, linear warm-up + cosine decay, gradient clipping; seeded; resumable from
+OUT/checkpoint.pt. This module also holds the training loop `steerspec train sd2` reuses with
+steering switched on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from steerspec.errors import UsageError
+from steerspec.train import _common as common
+from steerspec.train.synth import SyntheticSet, load_synthetic
+
+CHECKPOINT = "checkpoint.pt"
+REPORT = "train_report.json"
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+class DrafterBundle(nn.Module):
+    """What is trained: the drafter and, for SD², the steering head W_hml and W_s."""
+
+    def __init__(self, drafter: nn.Module, head: Optional[nn.Module] = None, steering: Optional[nn.Module] = None):
+        super().__init__()
+        self.drafter = drafter
+        self.head = head
+        self.steering = steering
+
+    @property
+    def steered(self) -> bool:
+        return self.head is not None
+
+
+# ---------------------------------------------------------------------------------------- math
+
+
+def forward_kl(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """Mean over masked positions of KL(p ‖ q) summed over the vocabulary; also mean Σ min(p, q).
+
+    Σ_v min(p, q) = 1 − TV(p, q) is the expected acceptance of a draft token from q under p.
+    """
+    logp = F.log_softmax(p_logits.float(), dim=-1)
+    logq = F.log_softmax(q_logits.float(), dim=-1)
+    p = logp.exp()
+    kl = (p * (logp - logq)).sum(-1)
+    m = mask.to(kl.dtype)
+    denom = m.sum().clamp(min=1.0)
+    with torch.no_grad():
+        overlap = (torch.minimum(p, logq.exp()).sum(-1) * m).sum() / denom
+    return (kl * m).sum() / denom, overlap
+
+
+def pad_batch(sequences: List[Tensor], pad_id: int) -> Tuple[Tensor, Tensor]:
+    """Right-pad to [B, T]; returns ids and lengths (causal models ignore what follows a row)."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+    return ids, lengths
+
+
+def answer_mask(prompt_lens: Tensor, lengths: Tensor, width: int) -> Tensor:
+    """[B, T] True at positions p whose next token p+1 is an answer token (p in [P−1, n−2])."""
+    pos = torch.arange(width).unsqueeze(0)
+    return (pos >= (prompt_lens.unsqueeze(1) - 1)) & (pos <= (lengths.unsqueeze(1) - 2))
+
+
+def steering_sources(prompt_lens: Tensor, width: int, delta: int) -> Tuple[Tensor, Tensor]:
+    """Which verifier position steers each drafter position, for a training offset δ.
+
+    Drafter position p (predicting token p+1) uses the steering vector of verifier position
+    p − δ — at inference the vector from position m−1 steers the drafts predicted at positions
+    m−1+i, i ∈ [1, k]. The source is clamped to P−2, the last prefill position (the first block's
+    vector), and −1 means "no verifier position" (a 1-token prompt: the head applied to zeros).
+    Prompt positions (p < P−1) stay unsteered: returns (source [B, T], steered mask [B, T]).
+    """
+    pos = torch.arange(width).unsqueeze(0)
+    first = (prompt_lens - 2).unsqueeze(1)
+    source = torch.maximum(pos - delta, first).clamp(min=-1)
+    steered = pos >= (prompt_lens.unsqueeze(1) - 1)
+    return source.expand(len(prompt_lens), width), steered.expand(len(prompt_lens), width)
+
+
+def gather_steering(head, hidden_states, source: Tensor) -> Tensor:
+    """g [B, T, d_V] from the verifier's hidden states at the `source` positions (−1 = zeros)."""
+    with torch.no_grad():
+        features = head.gather(hidden_states).float()  # [B, T, 3·d_V]
+        batch, width, dim = features.shape
+        features = torch.cat([features, features.new_zeros(batch, 1, dim)], dim=1)
+        index = torch.where(source < 0, torch.full_like(source, width), source)
+        picked = features.gather(1, index.unsqueeze(-1).expand(batch, width, dim))
+    return head(picked)
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    steer_lr: Optional[float] = None
+    warmup: Optional[int] = None
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    k: int = 8
+    val_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 50
+    bf16: bool = False
+    max_minutes: float = 0.0
+    stop_at: Optional[int] = None  # stop (checkpointed) at this step: an interruption, for tests
+    steer: bool = False
+    extra: Dict = field(default_factory=dict)
+
+
+def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> List[int]:
+    """Sequence indices of training step `step` (a fresh permutation per epoch; stateless)."""
+    per_epoch = max(1, n // batch_size)
+    epoch, slot = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+    return order[slot * batch_size : (slot + 1) * batch_size]
+
+
+def _delta(step: int, seed: int, k: int) -> int:
+    """The batch's offset δ ∈ [1, k] (one per batch, as in the authors' code)."""
+    return random.Random(seed * 104729 + step).randint(1, k)
+
+
+def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tensor, lengths: Tensor,
+               delta: int, bf16: bool = False) -> Tuple[Tensor, Tensor]:
+    """Forward KL on one batch (and the mean overlap Σ min(p, q)); steering when the bundle has it."""
+    width = ids.shape[1]
+    mask = answer_mask(plens, lengths, width)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    with torch.no_grad(), autocast:
+        vout = verifier(input_ids=ids, output_hidden_states=bundle.steered)
+    v_logits = vout.logits
+    if bundle.steered:
+        source, steered = steering_sources(plens, width, delta)
+        g = gather_steering(bundle.head, vout.hidden_states, source)
+        hooks.set_vector(g, steered)
+    try:
+        with autocast:
+            d_logits = bundle.drafter(input_ids=ids).logits
+    finally:
+        if hooks is not None:
+            hooks.clear()
+    return forward_kl(v_logits, d_logits, mask)
+
+
+@torch.no_grad()
+def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: TrainConfig, pad_id: int,
+             max_batches: int = 8) -> Dict[str, float]:
+    """Validation KL and overlap; steered runs cycle δ through 1..k over the batches."""
+    was = bundle.training
+    bundle.eval()
+    total_kl = total_ov = 0.0
+    count = 0
+    n = len(data)
+    for b, start in enumerate(range(0, n, cfg.batch_size)):
+        if b >= max_batches:
+            break
+        rows = list(range(start, min(n, start + cfg.batch_size)))
+        ids, lengths = pad_batch([data.sequences[i] for i in rows], pad_id)
+        plens = torch.tensor([data.prompt_lens[i] for i in rows])
+        kl, ov = batch_loss(bundle, hooks, verifier, ids, plens, lengths, delta=(b % cfg.k) + 1, bf16=cfg.bf16)
+        total_kl += float(kl)
+        total_ov += float(ov)
+        count += 1
+    bundle.train(was)
+    return {"val_kl": total_kl / max(1, count), "val_overlap": total_ov / max(1, count)}
+
+
+def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig, out: Path, pad_id: int,
+          resume: bool = True, log=print) -> Dict:
+    """The whole loop: returns a report dict (losses, times); `out/checkpoint.pt` makes it resumable."""
+    from steerspec.steering.drafter import SteeringHooks
+
+    common.seed_everything(cfg.seed)
+    verifier.eval().requires_grad_(False)
+    bundle.drafter.requires_grad_(True)
+    bundle.train()
+    hooks = SteeringHooks(bundle.drafter, bundle.steering) if bundle.steered else None
+    train_set, val_set = data.split(cfg.val_fraction, cfg.seed)
+    if len(train_set) < 1:
+        raise UsageError("the synthetic dataset is empty")
+    warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
+    steer_params = list(bundle.head.parameters()) + list(bundle.steering.parameters()) if bundle.steered else []
+    optimizer = common.make_optimizer(bundle.drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+    if steer_params:
+        optimizer.add_param_group({"params": steer_params, "weight_decay": 0.0, "lr": cfg.steer_lr or cfg.lr})
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / CHECKPOINT
+    step, history, elapsed_before, state = 0, [], 0.0, None
+    if resume and ckpt.is_file():
+        state = common.load_checkpoint(ckpt, bundle, optimizer)
+        step = state["step"]
+        history = state["extra"].get("history", [])
+        elapsed_before = float(state["extra"].get("elapsed_s", 0.0))
+        log(f"resumed from {ckpt} at step {step}")
+    initial = state["extra"].get("initial") if state else None
+    if initial is None:
+        initial = evaluate(bundle, hooks, verifier, val_set, cfg, pad_id)
+        log(f"initial: val_kl {initial['val_kl']:.4f}  val_overlap {initial['val_overlap']:.4f}")
+    started = time.time()
+    deadline = started + cfg.max_minutes * 60 if cfg.max_minutes > 0 else math.inf
+    bar = common.progress(total=cfg.steps, initial=step, desc="sd2" if bundle.steered else "distill")
+    ema = None
+    stopped_early = False
+
+    def save(at: int) -> None:
+        common.save_checkpoint(ckpt, bundle, optimizer, at, extra={
+            "history": history, "initial": initial, "elapsed_s": elapsed_before + time.time() - started,
+            "total_steps": total, "fitted": fitted})
+
+    total = int(state["extra"].get("total_steps", cfg.steps)) if state else cfg.steps
+    fitted = bool(state and state["extra"].get("fitted"))
+    fit_after = 10  # with --max-minutes: measure this many steps, then fit the schedule to the budget
+    fit_from = (step, time.time())
+    while step < total:
+        if cfg.max_minutes > 0 and not fitted and step - fit_from[0] >= fit_after:
+            per_step = (time.time() - fit_from[1]) / (step - fit_from[0])
+            budget_steps = step + int((deadline - time.time()) / (per_step * 1.08))  # 8% for evals
+            fitted = True
+            if budget_steps < total:
+                log(f"fitting the schedule to the time budget: {total} -> {budget_steps} steps ({per_step:.2f} s/step)")
+                total = max(step + 1, budget_steps)
+                bar.total = total
+                bar.refresh()
+        if cfg.stop_at is not None and step >= cfg.stop_at:
+            stopped_early = True
+            break
+        if time.time() > deadline:
+            stopped_early = True
+            log(f"time budget of {cfg.max_minutes} min reached at step {step}")
+            break
+        scale = common.lr_at(step, total, 1.0, warmup)
+        for group, base in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base * scale
+        rows = _batch_indices(len(train_set), cfg.batch_size, step, cfg.seed)
+        ids, lengths = pad_batch([train_set.sequences[i] for i in rows], pad_id)
+        plens = torch.tensor([train_set.prompt_lens[i] for i in rows])
+        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, _delta(step, cfg.seed, cfg.k), cfg.bf16)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = common.clip_grad([p for g in optimizer.param_groups for p in g["params"]], cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        value = float(loss.detach())
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        history.append({"step": step, "loss": round(value, 5), "overlap": round(float(overlap), 5), "grad_norm": round(gnorm, 4)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.4f}", ov=f"{float(overlap):.3f}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            ev = evaluate(bundle, hooks, verifier, val_set, cfg, pad_id)
+            history[-1].update(ev)
+            log(f"step {step}: train_kl(ema) {ema:.4f}  val_kl {ev['val_kl']:.4f}  val_overlap {ev['val_overlap']:.4f}")
+        if cfg.save_every and step % cfg.save_every == 0:
+            save(step)
+    bar.close()
+    final = evaluate(bundle, hooks, verifier, val_set, cfg, pad_id)
+    save(step)
+    if hooks is not None:
+        hooks.remove()
+    bundle.eval()
+    train_seconds = elapsed_before + time.time() - started
+    tail = [h["loss"] for h in history[-20:]]
+    return {
+        "steps_done": step, "steps_planned": cfg.steps, "steps_scheduled": total, "stopped_early": stopped_early,
+        "train_seconds": round(train_seconds, 1),
+        "initial": initial, "final": final,
+        "train_kl_first": history[0]["loss"] if history else None,
+        "train_kl_last20": round(sum(tail) / len(tail), 5) if tail else None,
+        "train_sequences": len(train_set), "val_sequences": len(val_set),
+        "train_answer_tokens": train_set.response_tokens(),
+        "config": asdict(cfg), "history": history,
+    }
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
+    parser.add_argument("--data", required=True, type=Path, help="dataset dir from `steerspec train synth`")
+    parser.add_argument("--out", type=Path, default=Path(default_out), help="output drafter checkpoint directory")
+    parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name (frozen)")
+    parser.add_argument("--drafter", default="pretrained", help="initial drafter checkpoint dir or bundled name")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (drafter)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10%% of steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--grad-clip", type=float, default=0.5)
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU with avx512_bf16/AMX)")
+    parser.add_argument("--max-minutes", type=float, default=0.0, help="stop (and export) after this long; 0 = no limit")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--no-resume", action="store_true", help="ignore OUT/checkpoint.pt")
+    parser.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint.pt after finishing")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, "runs/distilled")
+
+
+def config_from_args(args, steer: bool) -> TrainConfig:
+    if args.steps < 1 or args.batch_size < 1:
+        raise UsageError("--steps and --batch-size must be at least 1")
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise UsageError("--val-fraction must be in [0, 1)")
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, steer_lr=getattr(args, "steer_lr", None),
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
+        k=getattr(args, "k", 8), val_fraction=args.val_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, bf16=args.bf16, max_minutes=args.max_minutes, steer=steer,
+    )
+
+
+def load_pair(args):
+    """(verifier, drafter, drafter_dir, verifier_dir) as float32 on CPU; the drafter trainable."""
+    from steerspec.models.loading import load_model, resolve_model_dir
+
+    vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
+    verifier = load_model(vdir)
+    drafter = load_model(ddir)
+    if verifier.config.vocab_size != drafter.config.vocab_size:
+        raise UsageError(f"verifier vocab {verifier.config.vocab_size} != drafter vocab {drafter.config.vocab_size}")
+    return verifier, drafter, ddir, vdir
+
+
+def model_card(title: str, report: Dict, command: str, description: str) -> str:
+    r = report
+    init, fin = r["initial"], r["final"]
+    lines = [
+        f"# {title}",
+        "",
+        description,
+        "",
+        "## Training",
+        f"- command: `{command}`",
+        f"- initialised from: `{r['init_from']}`; verifier (frozen): `{r['verifier']}`",
+        f"- data: {r['train_sequences']} synthetic sequences ({r['train_answer_tokens']} answer tokens) from the "
+        f"verifier at T=1 (`steerspec train synth`), {r['val_sequences']} held out for validation",
+        f"- {r['steps_done']} steps (asked {r['steps_planned']}, cosine schedule over {r['steps_scheduled']}) of batch {r['config']['batch_size']}, AdamW "
+        f"lr {r['config']['lr']} (warm-up + cosine), grad clip {r['config']['grad_clip']}, seed {r['config']['seed']}",
+        f"- training time: {r['train_seconds']:.0f} s on CPU",
+        "",
+        "## Losses (forward KL(p_V ‖ q_D) per answer token, nats)",
+        f"- validation KL: {init['val_kl']:.4f} before → {fin['val_kl']:.4f} after",
+        f"- validation overlap Σ min(p_V, q_D) (expected acceptance of one draft token): "
+        f"{init['val_overlap']:.4f} → {fin['val_overlap']:.4f}",
+        f"- training KL: first step {r['train_kl_first']}, mean of the last 20 steps {r['train_kl_last20']}",
+        "",
+        "Weights are stored as fp16 safetensors and load as float32.",
+    ]
+    if r.get("steering"):
+        s = r["steering"]
+        lines[-2:-2] = [
+            "",
+            "## Steering (SD²)",
+            f"- verifier layers (hidden states entering them): {s['verifier_layers']}; W_hml {s['head_params']} params, "
+            f"W_s {s['ws_params']} params; one random offset δ ∈ [1, {r['config']['k']}] per batch",
+            "- files: `steering.safetensors` (`head.*` = W_hml for the verifier, `drafter.*` = W_s), `steering.json`",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def finish(args, report: Dict, bundle: DrafterBundle, ddir: Path, vdir: Path, verifier, title: str, description: str) -> None:
+    from steerspec.steering.io import save_drafter_checkpoint
+
+    out: Path = args.out
+    weights = vdir / "model.safetensors"
+    verifier_sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+    save_drafter_checkpoint(
+        out, bundle.drafter, tokenizer_from=ddir, head=bundle.head, steering=bundle.steering,
+        verifier_num_layers=int(verifier.config.num_hidden_layers), verifier=vdir.name,
+        extra={"verifier_model_sha256": verifier_sha},
+    )
+    report["verifier_model_sha256"] = verifier_sha
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = "float32"  # fp16 storage, float32 compute by default (as the bundled pair)
+    cfg.pop("torch_dtype", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = out / "generation_config.json"
+    if gen.exists():
+        gen.unlink()
+    report.update(init_from=str(args.drafter), verifier=str(args.verifier))
+    command = "steerspec train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "steerspec train"
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    (out / "MODEL_CARD.md").write_text(model_card(title, report, command, description))
+    if not getattr(args, "keep_checkpoint", False) and not report["stopped_early"]:
+        (out / CHECKPOINT).unlink(missing_ok=True)
+
+
+def run(args) -> int:
+    torch.set_num_threads(max(1, args.threads))
+    cfg = config_from_args(args, steer=False)
+    data = load_synthetic(args.data)
+    verifier, drafter, ddir, vdir = load_pair(args)
+    bundle = DrafterBundle(drafter)
+    pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
+    report = train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
+    finish(args, report, bundle, ddir, vdir, verifier, "Distilled drafter",
+           "The pretrained drafter fine-tuned on the verifier's synthetic answers with forward KL (no steering): "
+           "the SD² paper's distillation baseline.")
+    print(f"distill: val KL {report['initial']['val_kl']:.4f} -> {report['final']['val_kl']:.4f} "
+          f"in {report['train_seconds']:.0f} s -> {args.out}")
+    return 0

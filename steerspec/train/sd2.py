@@ -1,0 +1,55 @@
+"""Train SD²: the drafter, W_s and W_hml together on the verifier's synthetic answers (verifier frozen).
+
+Each batch draws one offset δ ∈ [1, k]; the steering vector g of verifier position t−δ (from the
+hidden states entering the low/mid/high layers) conditions the drafter's prediction at position t
+through W_s on every MLP up-projection. Prompt positions stay unsteered. Loss: forward KL(p_V ‖ q_D)
+per token summed over the vocabulary, averaged over answer tokens. AdamW, warm-up + cosine,
+gradient clipping, seeded and resumable (OUT/checkpoint.pt). The output directory is a transformers
+checkpoint plus `steering.safetensors` + `steering.json`, usable as `--drafter DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from steerspec.train import distill
+from steerspec.train.synth import load_synthetic
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    distill.add_common_arguments(parser, "runs/sd2")
+    parser.add_argument("--k", type=int, default=8, help="largest training offset δ (the draft length)")
+    parser.add_argument("--steer-layers", default="auto",
+                        help="verifier layers low,mid,high whose input hidden states feed W_hml (default 3, L/2, L-2 clamped)")
+    parser.add_argument("--steer-lr", type=float, default=None, help="peak learning rate of W_hml and W_s (default --lr)")
+
+
+def run(args) -> int:
+    from steerspec.errors import UsageError
+    from steerspec.steering import DrafterSteering, SteeringHead, parse_layers
+
+    if args.k < 1:
+        raise UsageError("--k must be at least 1")
+    torch.set_num_threads(max(1, args.threads))
+    cfg = distill.config_from_args(args, steer=True)
+    data = load_synthetic(args.data)
+    verifier, drafter, ddir, vdir = distill.load_pair(args)
+    layers = parse_layers(args.steer_layers, int(verifier.config.num_hidden_layers))
+    head = SteeringHead(int(verifier.config.hidden_size), layers)
+    steering = DrafterSteering.for_model(drafter, int(verifier.config.hidden_size))
+    bundle = distill.DrafterBundle(drafter, head, steering)
+    pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
+    report = distill.train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
+    report["steering"] = {
+        "verifier_layers": list(layers),
+        "head_params": sum(p.numel() for p in head.parameters()),
+        "ws_params": sum(p.numel() for p in steering.parameters()),
+    }
+    distill.finish(args, report, bundle, ddir, vdir, verifier, "SD² drafter",
+                   "The pretrained drafter with SD² steering (W_s on every MLP up-projection, W_hml on the verifier) "
+                   "trained jointly on the verifier's synthetic answers.")
+    print(f"sd2: val KL {report['initial']['val_kl']:.4f} -> {report['final']['val_kl']:.4f} "
+          f"in {report['train_seconds']:.0f} s -> {args.out}")
+    return 0

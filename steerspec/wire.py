@@ -1,0 +1,269 @@
+"""Wire codec: steerspec.v1 protos <-> plain steerspec dataclasses and tensors.
+
+Rules (proto/steerspec/v1/common.proto):
+- Sparse draft distributions travel as int32 ids and little-endian float16 probs, row-major
+  [k, support]. The encoder quantises to fp16; both sides decode to float32 and renormalise each
+  row by its sum (`fp16_roundtrip`), so the drafter samples from exactly the distribution the
+  verifier tests against. A sampling drafter must therefore sample from `fp16_roundtrip(dist)`.
+- Dense tensors (SD² steering vectors) travel as raw little-endian bytes + dtype + shape.
+- proto3 cannot tell an unset float from 0: a SamplingParams with top_p == 0 means "top-p off"
+  (1.0); an absent SamplingParams message means greedy (temperature 0).
+
+Decoding validates everything a peer could get wrong and raises `ProtocolError(code, message)`
+with the gRPC status code the servers answer with. Translation is vectorised (numpy/torch
+frombuffer); there are no per-element Python loops on probability arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import grpc
+import numpy as np
+import torch
+from torch import Tensor
+
+from steerspec.sampling import SamplingParams, SparseDist
+from steerspec.v1 import common_pb2
+
+WIRE_DTYPES = {"float16": (np.dtype("<f2"), torch.float16), "bfloat16": (None, torch.bfloat16),
+               "float32": (np.dtype("<f4"), torch.float32)}
+MAX_TEMPERATURE = 100.0
+
+
+class ProtocolError(Exception):
+    """A message a peer got wrong: carries the gRPC status code to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"ProtocolError({self.code.name}, {self.message!r})"
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    """The integer value of a grpc.StatusCode (what StreamError.code carries)."""
+    return int(code.value[0])
+
+
+def invalid(message: str) -> ProtocolError:
+    return ProtocolError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+# --------------------------------------------------------------------------- sampling parameters
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=float(params.temperature), top_k=int(params.top_k),
+                                     top_p=float(params.top_p))
+
+
+def _f32(value: float) -> float:
+    return float(f"{value:.7g}") if math.isfinite(value) else float(value)
+
+
+def sampling_from_proto(msg: Optional[common_pb2.SamplingParams], vocab_size: Optional[int] = None) -> SamplingParams:
+    """Validated SamplingParams; None (field absent) means greedy. top_p 0 means off (1.0)."""
+    if msg is None:
+        return SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+    # proto floats are float32: recover the shortest decimal (0.9, not 0.8999999761581421)
+    temperature, top_p, top_k = _f32(msg.temperature), _f32(msg.top_p), int(msg.top_k)
+    if top_p == 0.0:
+        top_p = 1.0
+    if math.isnan(temperature) or math.isinf(temperature):
+        raise invalid(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if math.isnan(top_p):
+        raise invalid("sampling.top_p must be in (0, 1] (0 or unset = off), got nan")
+    if vocab_size is not None and top_k > vocab_size:
+        raise invalid(f"sampling.top_k must be at most the vocabulary size {vocab_size} (0 = off), got {top_k}")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise invalid(f"sampling: {exc}") from None
+    return params
+
+
+# --------------------------------------------------------------------------- token ids
+
+
+def ids_array(values: Sequence[int]) -> np.ndarray:
+    """A repeated int32 field as an int64 numpy array (one C-level copy)."""
+    return np.asarray(values, dtype=np.int64) if len(values) else np.zeros(0, dtype=np.int64)
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, what: str) -> None:
+    """INVALID_ARGUMENT unless every id is in [0, vocab_size)."""
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise invalid(f"{what} contains a negative token id ({lo}); ids must be in [0, {vocab_size})")
+    if hi >= vocab_size:
+        raise invalid(f"{what} contains token id {hi}, outside the vocabulary [0, {vocab_size})")
+
+
+# --------------------------------------------------------------------------- sparse distributions
+
+
+def renormalise(probs: Tensor) -> Tensor:
+    """Divide each row [..., S] by its sum (the same op on both sides of the wire)."""
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def fp16_roundtrip(dist: SparseDist) -> SparseDist:
+    """The distribution the wire carries: probs quantised to fp16, back to float32, renormalised.
+
+    A sampling drafter samples from this so that drafter and verifier use identical q.
+    """
+    return SparseDist(ids=dist.ids, probs=renormalise(dist.probs.to(torch.float16).float()))
+
+
+def encode_sparse(ids: Tensor, probs: Tensor) -> common_pb2.SparseDistribution:
+    """ids/probs [k, S] (probs float32 or float16) -> SparseDistribution with fp16 bytes."""
+    support = int(ids.shape[-1]) if ids.dim() else 0
+    ids_np = ids.reshape(-1).to(device="cpu", dtype=torch.int32).numpy()
+    probs16 = probs.reshape(-1).to(device="cpu", dtype=torch.float16).numpy().astype("<f2", copy=False)
+    return common_pb2.SparseDistribution(ids=ids_np.tolist(), probs=probs16.tobytes(), support=support)
+
+
+def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
+                  draft_ids: Optional[np.ndarray] = None) -> SparseDist:
+    """Validate and decode a SparseDistribution for k draft positions -> SparseDist [k, S] float32.
+
+    Checks: support in [1, vocab], ids/probs sizes match [k, support], ids in vocabulary and not
+    repeated within a row, probs finite and >= 0 with a positive row sum, and (when `draft_ids`
+    is given) that each draft token is in its row's support with probability > 0.
+    """
+    support = int(msg.support)
+    if support < 1:
+        raise invalid("q.support must be >= 1 (the number of ids per draft position)")
+    if support > vocab_size:
+        raise invalid(f"q.support {support} exceeds the vocabulary size {vocab_size}")
+    if len(msg.ids) != k * support:
+        raise invalid(f"q.ids has {len(msg.ids)} entries; expected k * support = {k} * {support} = {k * support}")
+    if len(msg.probs) != 2 * k * support:
+        raise invalid(f"q.probs has {len(msg.probs)} bytes; expected 2 * k * support = {2 * k * support} "
+                      "(little-endian float16, row-major [k, support])")
+    ids = ids_array(msg.ids).reshape(k, support)
+    check_ids(ids, vocab_size, "q.ids")
+    if support > 1:
+        srt = np.sort(ids, axis=-1)
+        if bool((srt[:, 1:] == srt[:, :-1]).any()):
+            row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(-1))[0][0])
+            raise invalid(f"q row {row} repeats a token id; each row must list distinct ids")
+    probs = np.frombuffer(msg.probs, dtype="<f2").reshape(k, support).astype(np.float32)
+    if not np.isfinite(probs).all():
+        raise invalid("q.probs contains NaN or infinity; probabilities must be finite")
+    if (probs < 0).any():
+        raise invalid("q.probs contains a negative probability")
+    empty = probs.sum(-1) <= 0
+    if empty.any():
+        raise invalid(f"q row {int(np.nonzero(empty)[0][0])} has no probability mass (all zeros)")
+    if draft_ids is not None and k:
+        mass = (probs * (ids == draft_ids.reshape(k, 1))).sum(-1)
+        bad = np.nonzero(mass <= 0)[0]
+        if bad.size:
+            i = int(bad[0])
+            raise invalid(f"draft token {int(draft_ids[i])} at position {i} has probability 0 under its q row "
+                          "(a drafter can only propose tokens from its own distribution)")
+    return SparseDist(ids=torch.from_numpy(ids), probs=renormalise(torch.from_numpy(probs)))
+
+
+# --------------------------------------------------------------------------- dense tensors
+
+
+def tensor_to_proto(t: Tensor, dtype: str = "float16") -> common_pb2.Tensor:
+    """A tensor as little-endian bytes of `dtype` (float16 by default)."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"unknown wire dtype {dtype!r}")
+    torch_dtype = WIRE_DTYPES[dtype][1]
+    flat = t.detach().to(device="cpu", dtype=torch_dtype).contiguous()
+    if dtype == "bfloat16":
+        data = flat.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    else:
+        data = flat.numpy().astype(WIRE_DTYPES[dtype][0], copy=False).tobytes()
+    return common_pb2.Tensor(data=data, dtype=dtype, shape=list(t.shape))
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, size: Optional[int] = None, what: str = "steering") -> Tensor:
+    """Validate and decode a Tensor -> float32 torch tensor of its shape.
+
+    `size` (when given) is the number of values the receiver expects (e.g. d_V)."""
+    if msg.dtype not in WIRE_DTYPES:
+        raise invalid(f"{what}.dtype {msg.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    shape = [int(s) for s in msg.shape]
+    if not shape or any(s == 0 for s in shape):
+        raise invalid(f"{what}.shape {shape} must be non-empty with positive sizes")
+    count = int(np.prod(shape))
+    if size is not None and count != size:
+        raise invalid(f"{what} has {count} values (shape {shape}); expected {size}")
+    itemsize = 4 if msg.dtype == "float32" else 2
+    if len(msg.data) != count * itemsize:
+        raise invalid(f"{what}.data has {len(msg.data)} bytes; shape {shape} of {msg.dtype} needs {count * itemsize}")
+    if msg.dtype == "bfloat16":
+        raw = torch.from_numpy(np.frombuffer(msg.data, dtype="<i2").copy()).view(torch.bfloat16)
+        out = raw.float()
+    else:
+        out = torch.from_numpy(np.frombuffer(msg.data, dtype=WIRE_DTYPES[msg.dtype][0]).astype(np.float32))
+    if not bool(torch.isfinite(out).all()):
+        raise invalid(f"{what} contains NaN or infinity")
+    return out.reshape(shape)
+
+
+def has_tensor(msg: common_pb2.Tensor) -> bool:
+    """True when a Tensor field carries data (an empty Tensor means 'none')."""
+    return bool(msg.data) or bool(msg.dtype) or len(msg.shape) > 0
+
+
+# --------------------------------------------------------------------------- blocks and results
+
+
+@dataclass
+class WireBlock:
+    """A decoded DraftBlock: draft ids [k] (int64), q SparseDist [k, S] or None (greedy)."""
+
+    seq: int
+    committed_length: int
+    draft_ids: np.ndarray
+    q: Optional[SparseDist]
+    draft_ms: float = 0.0
+
+    @property
+    def k(self) -> int:
+        return int(self.draft_ids.shape[0])
+
+
+def encode_block(seq: int, committed_length: int, draft_ids: Sequence[int], q: Optional[SparseDist] = None,
+                 draft_ms: float = 0.0) -> common_pb2.DraftBlock:
+    """A DraftBlock message; q ids/probs [k, S] (probs are sent as fp16)."""
+    msg = common_pb2.DraftBlock(seq=seq, committed_length=committed_length, draft_ids=list(draft_ids),
+                                draft_ms=draft_ms)
+    if q is not None:
+        msg.q.CopyFrom(encode_sparse(q.ids, q.probs))
+    return msg
+
+
+def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> WireBlock:
+    """Validate the parts of a DraftBlock that need no session state; decode ids and q."""
+    ids = ids_array(msg.draft_ids)
+    check_ids(ids, vocab_size, "draft_ids")
+    k = int(ids.shape[0])
+    q = None
+    if msg.HasField("q"):
+        if greedy:
+            raise invalid("this session is greedy (temperature 0): send draft ids only, without q")
+        if k == 0:
+            raise invalid("q is set but the block has no draft ids")
+        q = decode_sparse(msg.q, k, vocab_size, draft_ids=ids)
+    elif not greedy and k > 0:
+        raise invalid("this session samples (temperature > 0): every block with drafts must carry q, "
+                      "the drafter's sparse distributions")
+    if not math.isfinite(msg.draft_ms) or msg.draft_ms < 0:
+        raise invalid(f"draft_ms must be a finite time >= 0, got {msg.draft_ms}")
+    return WireBlock(seq=int(msg.seq), committed_length=int(msg.committed_length), draft_ids=ids, q=q,
+                     draft_ms=float(msg.draft_ms))

@@ -1,0 +1,145 @@
+"""Shared fixtures: the bundled model pair, the eval prompts, tiny random checkpoints for fast tests.
+
+Add fixtures here only when several test files need them; keep them cheap (session scope).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "steerspec" / "assets"
+BUNDLED_VERIFIER = ASSETS / "models" / "verifier"
+BUNDLED_DRAFTER = ASSETS / "models" / "pretrained"
+
+# One intra-op thread: the models are tiny, so extra threads only spin (3x slower on a shared
+# 2-core box), and results then never depend on the thread count. STEERSPEC_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("STEERSPEC_TEST_THREADS", "1")))
+
+_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def put(self, item):\n        self.items.append(item)\n",
+    "import os\nimport sys\n\nfor name in sorted(os.listdir(path)):\n    print(name, file=sys.stderr)\n",
+    "The quick brown fox jumps over the lazy dog. Return the value of the attribute.\n",
+] * 4
+
+TINY_PROMPTS = [
+    "def fibonacci(n):",
+    "class Queue:",
+    "import os\n",
+    "for name in sorted(",
+    "    return",
+    "The quick brown",
+    "self.items",
+    "print(name",
+]
+
+
+def bundled_pair_present() -> bool:
+    return (BUNDLED_VERIFIER / "config.json").is_file() and (BUNDLED_DRAFTER / "config.json").is_file()
+
+
+def load_prompts(name: str = "indist", limit: int | None = None) -> list[str]:
+    """Prompts of a bundled eval set (steerspec/assets/eval/<name>.jsonl)."""
+    path = ASSETS / "eval" / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in rows]
+    return prompts[:limit] if limit else prompts
+
+
+def save_tiny_tokenizer(path: Path):
+    """A small byte-level BPE tokenizer (vocab ~300) saved so AutoTokenizer loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny_model_dir(path: Path, model_type: str = "llama", seed: int = 0, vocab_size: int = 320,
+                        hidden_size: int = 64, layers: int = 2, base: Path | None = None,
+                        noise: float = 0.0, eos_token_id: int = 0) -> Path:
+    """Save a tiny random SwiGLU decoder (+ tokenizer) at `path`.
+
+    With `base`, copy that model's weights and add Gaussian `noise` (a drafter that agrees with
+    its verifier most of the time). A large init range keeps logits peaked, so greedy argmaxes
+    are far from ties.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * p.std() * torch.randn_like(p))
+    else:
+        extra = {"sliding_window": None} if model_type in ("mistral", "qwen2", "qwen3") else {}
+        if model_type == "qwen3":
+            extra["head_dim"] = 16
+        config = AutoConfig.for_model(
+            model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+            eos_token_id=eos_token_id, bos_token_id=eos_token_id, **extra,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(verifier dir, drafter dir): a tiny random Llama and a noisy copy of it."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    verifier = make_tiny_model_dir(root / "verifier", seed=1)
+    drafter = make_tiny_model_dir(root / "drafter", seed=2, base=verifier, noise=0.05)
+    return verifier, drafter
+
+
+@pytest.fixture(scope="session")
+def model_pair(tiny_pair) -> tuple[Path, Path]:
+    """The bundled (verifier, pretrained drafter) directories; the tiny pair until they exist.
+
+    STEERSPEC_TEST_PAIR="VERIFIER_DIR:DRAFTER_DIR" points the suite at another local pair.
+    """
+    override = os.environ.get("STEERSPEC_TEST_PAIR")
+    if override:
+        verifier, drafter = override.split(":")
+        return Path(verifier), Path(drafter)
+    if bundled_pair_present():
+        return BUNDLED_VERIFIER, BUNDLED_DRAFTER
+    return tiny_pair
+
+
+@pytest.fixture(scope="session")
+def eval_prompts(model_pair) -> list[str]:
+    """indist prompts when the bundled pair and eval set exist, else short generic prompts."""
+    if (bundled_pair_present() or os.environ.get("STEERSPEC_TEST_PAIR")) and (ASSETS / "eval" / "indist.jsonl").is_file():
+        return load_prompts("indist")
+    return list(TINY_PROMPTS) * 2
+
+
+@pytest.fixture(scope="session")
+def loaded_pair(model_pair):
+    """(verifier model, drafter model, tokenizer) loaded once per session, float32 on CPU."""
+    from steerspec.models import load_model, load_tokenizer
+
+    verifier_dir, drafter_dir = model_pair
+    return load_model(verifier_dir), load_model(drafter_dir), load_tokenizer(verifier_dir)
+
+pytest_plugins = ["conftest_redis"]

@@ -1,0 +1,59 @@
+"""Pytest fixture `redis_url`: a real redis-server on a free loopback port (one per test session).
+
+Skips only when the `redis-server` binary is absent (`make test` installs it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (run `make test`, which installs it)")
+    workdir = tempfile.mkdtemp(prefix="steerspec-redis-")
+    for _attempt in range(3):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+             "--dir", workdir, "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            proc.kill()
+            proc.wait(timeout=5)
+            continue
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
+    pytest.fail("could not start redis-server on a loopback port")

@@ -1,0 +1,51 @@
+"""`steerspec bench remote` end to end on a tiny pair: every mode, RTT and concurrency row, JSON and targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from steerspec.bench import remote
+from steerspec.errors import UsageError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    remote.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
+    verifier, drafter = tiny_pair
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = _args("--verifier", str(verifier), "--drafter", str(drafter), "--rtt-ms", "0,20", "--prompts", "1",
+                 "--max-new-tokens", "6", "--concurrency", "1,2", "--concurrency-rtt-ms", "20", "--threads", "1",
+                 "--out", str(out), "--plot", str(plot))
+    assert remote.run(args) == 0
+    report = json.loads(out.read_text())
+    assert plot.stat().st_size > 0
+    assert [r["rtt_ms"] for r in report["rows"]] == [0.0, 20.0]
+    for row in report["rows"]:
+        ar, sd = row["autoregressive"], row["speculative"]
+        assert 1 <= ar["generated_tokens"] <= 6 and 1 <= sd["generated_tokens"] <= 6
+        assert ar["block_efficiency"] == 1.0
+        assert sd["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert set(sd["stage_ms"]) == set(remote.STAGES)
+        assert sd["bytes_up"] > ar["bytes_up"] > 0
+    slow = report["rows"][1]
+    assert slow["autoregressive"]["stage_ms"]["network"] >= 19.0  # the emulated link is on that hop
+    assert set(slow["concurrency"]) == {"1", "2"} and slow["concurrency_ratio"] > 0
+    assert "concurrency" not in report["rows"][0]
+    assert report["engine"]["tokens_per_s"] > 0
+    assert set(report["targets"]) == {"overhead_median_ms", "bytes_up_per_block", "concurrency_ratio_at_50ms"}
+    table = capsys.readouterr().out
+    assert "speculative" in table and "autoregressive" in table and "engine" in table
+
+
+@pytest.mark.parametrize("flag,value", [("--rtt-ms", "a,b"), ("--rtt-ms", "-5"), ("--concurrency", "0"),
+                                        ("--prompts", "0"), ("--k", "65"), ("--out", "/nonexistent/dir/x.json")])
+def test_bench_remote_bad_flags_are_usage_errors(flag, value):
+    with pytest.raises(UsageError):
+        remote.run(_args(flag, value))

@@ -1,0 +1,158 @@
+"""Model loading and KV caches: after any rollback, next-token logits equal a fresh full forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steerspec.errors import UsageError
+from steerspec.models import CachedLM, load_model, load_tokenizer, resolve_model_dir
+from steerspec.models.kv import FastCachedLM, cached_lm
+from steerspec.models.loading import resolve_device
+
+from conftest import make_tiny_model_dir
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """Tiny random checkpoints of the other SwiGLU families (Qwen2, Qwen3, Mistral)."""
+    root = tmp_path_factory.mktemp("families")
+    return {t: make_tiny_model_dir(root / t, model_type=t, seed=3, layers=2) for t in ("qwen2", "qwen3", "mistral")}
+
+
+def fresh_logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def check_rollback(model, seed: int, backend: str, length: int = 40, rounds: int = 6):
+    """Random extend/rollback schedule; compare every next-token distribution with a fresh pass."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
+    lm = cached_lm(model, backend)
+    assert isinstance(lm, FastCachedLM) == (backend == "fast")
+    prefix = 7
+    lm.extend(ids[:prefix])
+    committed = prefix
+    for _ in range(rounds):
+        block = int(torch.randint(1, 9, (1,), generator=gen))
+        block = min(block, length - committed)
+        out = lm.extend(ids[committed:committed + block])
+        assert out.logits.shape == (block, vocab)
+        assert lm.length == committed + block
+        keep = committed + int(torch.randint(0, block + 1, (1,), generator=gen))
+        lm.rollback(keep)
+        assert lm.length == keep
+        got = lm.extend(ids[keep:keep + 1]).logits[-1]
+        torch.testing.assert_close(got, fresh_logits(model, ids[:keep + 1]), atol=ATOL, rtol=0)
+        committed = keep + 1
+    lm.rollback(0)
+    torch.testing.assert_close(lm.extend(ids[:3]).logits[-1], fresh_logits(model, ids[:3]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_rollback_matches_fresh_forward(loaded_pair, role, backend):
+    verifier, drafter, _ = loaded_pair
+    check_rollback(verifier if role == "verifier" else drafter, seed=11, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_swiglu_families_load_and_roll_back(family_dirs, family, backend):
+    model = load_model(family_dirs[family])
+    assert model.config.model_type == family
+    check_rollback(model, seed=5, backend=backend, rounds=3)
+
+
+def test_fast_cache_grows_past_its_initial_capacity(loaded_pair):
+    model = loaded_pair[1]
+    lm = FastCachedLM(model, capacity=8)
+    ids = list(range(3, 40))
+    lm.extend(ids[:5])
+    for i in range(5, 30, 6):
+        lm.extend(ids[i:i + 6])
+    torch.testing.assert_close(lm.extend(ids[35:36]).logits[-1], fresh_logits(model, ids[:36]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_hidden_states_enter_requested_layers(loaded_pair, backend):
+    verifier, _, _ = loaded_pair
+    layers = [0, verifier.config.num_hidden_layers // 2, verifier.config.num_hidden_layers - 1]
+    ids = list(range(3, 15))
+    with torch.inference_mode():
+        full = verifier(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    lm = cached_lm(verifier, backend)
+    lm.extend(ids[:5])
+    out = lm.extend(ids[5:], hidden_layers=layers)
+    assert out.hidden.shape == (3, len(ids) - 5, verifier.config.hidden_size)
+    for slot, layer in enumerate(layers):
+        torch.testing.assert_close(out.hidden[slot], full[layer][0, 5:], atol=ATOL, rtol=0)
+    assert lm.extend(ids[:1]).hidden is None  # capture only on request
+
+
+def test_rollback_past_length_is_refused(loaded_pair):
+    lm = CachedLM(loaded_pair[0])
+    lm.extend([1, 2, 3])
+    with pytest.raises(ValueError):
+        lm.rollback(4)
+    lm.reset()
+    assert lm.length == 0
+
+
+def test_bundled_names_and_dtypes(model_pair):
+    verifier_dir, _ = model_pair
+    model = load_model(verifier_dir, dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    tok = load_tokenizer(verifier_dir)
+    assert tok("def f(x):")["input_ids"]
+    assert resolve_model_dir("drafter") == resolve_model_dir("pretrained")
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(UsageError, match="local directory"):
+        load_model("meta-llama/Llama-3-8B")
+    with pytest.raises(UsageError, match="not found"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "activation_function": "gelu"}))
+    with pytest.raises(UsageError, match="SwiGLU"):
+        load_model(str(tmp_path / "gpt2"))
+    with pytest.raises(UsageError, match="dtype"):
+        load_model(str(tmp_path / "gpt2"), dtype="int8")
+    with pytest.raises(UsageError):
+        resolve_device("tpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+
+
+def test_up_bias_matches_a_hook_on_up_proj(loaded_pair):
+    """SD² steering path: FastCachedLM.set_up_bias == a forward hook adding the bias to mlp.up_proj."""
+    model = loaded_pair[1]
+    gen = torch.Generator().manual_seed(0)
+    biases = [0.1 * torch.randn(model.config.intermediate_size, generator=gen)
+              for _ in range(model.config.num_hidden_layers)]
+    ids = list(range(5, 17))
+    fast = FastCachedLM(model)
+    fast.set_up_bias(biases)
+    steered = fast.extend(ids).logits
+    handles = [layer.mlp.up_proj.register_forward_hook(lambda m, a, out, b=b: out + b)
+               for layer, b in zip(model.get_decoder().layers, biases)]
+    try:
+        with torch.inference_mode():
+            reference = model(input_ids=torch.tensor([ids])).logits[0]
+        hooked = FastCachedLM(model)  # hooks present: the module path runs them
+        torch.testing.assert_close(hooked.extend(ids).logits, reference, atol=ATOL, rtol=0)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(steered, reference, atol=ATOL, rtol=0)
+    fast.set_up_bias(None)
+    fast.reset()
+    assert not torch.allclose(fast.extend(ids).logits, reference, atol=ATOL)

@@ -1,0 +1,102 @@
+"""State store: registry TTLs and session checkpoints, in-process and against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from coordinator.store import InProcessStore, RedisStore, keep_registered
+
+
+@pytest.fixture(params=["inproc", "redis"])
+async def store(request):
+    if request.param == "inproc":
+        s = InProcessStore()
+    else:
+        url = request.getfixturevalue("redis_url")
+        s = RedisStore(url, prefix=f"test-{uuid.uuid4().hex[:8]}:")
+        assert await s.ping()
+    yield s
+    await s.close()
+
+
+async def test_registry_ttl_heartbeat_and_expire(store):
+    await store.register("verifier", "127.0.0.1:1001", ttl_s=0.5, meta={"load": 1})
+    await store.register("verifier", "127.0.0.1:1002", ttl_s=30.0)
+    await store.register("drafter", "127.0.0.1:2001", ttl_s=30.0)
+    assert [e.address for e in await store.live("verifier")] == ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert [e.address for e in await store.live("drafter")] == ["127.0.0.1:2001"]
+    assert (await store.live("verifier"))[0].meta == {"load": 1}
+    # A heartbeat extends the TTL (and can update metadata) ...
+    await asyncio.sleep(0.3)
+    assert await store.heartbeat("verifier", "127.0.0.1:1001", ttl_s=0.5, meta={"load": 2})
+    await asyncio.sleep(0.3)  # 0.6 s after registering: alive only thanks to the heartbeat
+    live = await store.live("verifier")
+    assert [e.address for e in live] == ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert live[0].meta == {"load": 2}
+    # ... without one it expires, and a late heartbeat says so.
+    await asyncio.sleep(0.5)
+    assert [e.address for e in await store.live("verifier")] == ["127.0.0.1:1002"]
+    assert not await store.heartbeat("verifier", "127.0.0.1:1001", ttl_s=1.0)
+    # expire() drops a replica at once.
+    await store.expire("verifier", "127.0.0.1:1002")
+    assert await store.live("verifier") == []
+    assert [e.address for e in await store.live("drafter")] == ["127.0.0.1:2001"]
+
+
+async def test_keep_registered_follows_probe(store):
+    healthy = {"ok": True}
+
+    async def probe():
+        return healthy["ok"]
+
+    task = asyncio.create_task(keep_registered(store, "verifier", "127.0.0.1:3001", ttl_s=0.6, probe=probe))
+    try:
+        await asyncio.sleep(0.05)
+        assert [e.address for e in await store.live("verifier")] == ["127.0.0.1:3001"]
+        await asyncio.sleep(0.8)  # renewed every 0.2 s
+        assert [e.address for e in await store.live("verifier")] == ["127.0.0.1:3001"]
+        healthy["ok"] = False
+        await asyncio.sleep(1.0)
+        assert await store.live("verifier") == []
+        healthy["ok"] = True
+        await asyncio.sleep(0.4)
+        assert [e.address for e in await store.live("verifier")] == ["127.0.0.1:3001"]
+    finally:
+        task.cancel()
+
+
+async def test_session_checkpoint_roundtrip(store):
+    assert await store.get_session("nope") is None
+    params = {"prompt_ids": [1, 2, 3], "max_new_tokens": 8, "k": 4}
+    await store.create_session("s1", params, {"verifier": "a:1", "drafter": "b:2"})
+    # Appends return at once; order is kept across many small writes.
+    for i in range(50):
+        store.append_tokens("s1", [i, i + 100])
+    await store.set_placement("s1", {"verifier": "c:3", "drafter": "b:2"})
+    await store.flush("s1")
+    rec = await store.get_session("s1")
+    assert rec.params == params
+    assert rec.placement == {"verifier": "c:3", "drafter": "b:2"}
+    assert rec.token_ids == [t for i in range(50) for t in (i, i + 100)]
+    assert rec.status == "running"
+    store.append_tokens("s1", [7])
+    await store.finish_session("s1", "done", "length")
+    rec = await store.get_session("s1")
+    assert rec.token_ids[-1] == 7 and rec.status == "done" and rec.finish_reason == "length"
+    # Re-creating a session id starts a clean record.
+    await store.create_session("s1", params, {})
+    assert (await store.get_session("s1")).token_ids == []
+
+
+async def test_append_does_not_wait_for_the_store(store):
+    """append_tokens is synchronous (no await): the write happens on a background task."""
+    await store.create_session("s2", {}, {})
+    store.append_tokens("s2", [1, 2, 3])
+    store.append_tokens("s2", [4])
+    assert store._pending.get("s2") == [1, 2, 3, 4]  # queued, not yet written
+    await store.flush()
+    assert (await store.get_session("s2")).token_ids == [1, 2, 3, 4]
+    assert store.write_errors == 0

@@ -1,0 +1,176 @@
+"""SD² training pipeline on tiny random models: synthetic data, offsets, loss, resume, CLI output."""
+
+from __future__ import annotations
+
+import torch
+
+from steerspec.steering import DrafterSteering, SteeringHead, load_steering
+from steerspec.train import distill
+from steerspec.train.synth import SyntheticSet, load_synthetic, sample_answers, save_shard
+
+VOCAB = 48
+
+
+def tiny_llama(hidden, layers, inter, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a peakier verifier than the default init, so there is something to learn
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def make_data(verifier, n=24, seed=0) -> SyntheticSet:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    answers = sample_answers(verifier, prompts, 12, gen, eos_id=None)
+    return SyntheticSet([torch.tensor(p + a) for p, a in zip(prompts, answers)], [len(p) for p in prompts], {})
+
+
+def sd2_bundle(verifier, drafter):
+    head = SteeringHead(verifier.config.hidden_size, (1, 2, 3))
+    return distill.DrafterBundle(drafter, head, DrafterSteering.for_model(drafter, verifier.config.hidden_size))
+
+
+def test_steering_sources_follow_the_inference_offsets():
+    source, steered = distill.steering_sources(torch.tensor([4, 1]), 7, delta=2)
+    # row 0: prompt of 4 tokens -> positions 0..2 unsteered, position 3 (predicts token 4) onward steered;
+    # sources are p-2 clamped to the last prefill position P-2 = 2
+    assert steered[0].tolist() == [False, False, False, True, True, True, True]
+    assert source[0, 3:].tolist() == [2, 2, 3, 4]
+    # row 1: one-token prompt -> no prefill position: source -1 (zero features) until p-2 >= 0
+    assert steered[1].all()
+    assert source[1].tolist() == [-1, -1, 0, 1, 2, 3, 4]
+    mask = distill.answer_mask(torch.tensor([4]), torch.tensor([6]), 7)
+    assert mask[0].tolist() == [False, False, False, True, True, False, False]
+
+
+def test_sample_answers_is_seeded_and_stops_at_eos():
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    prompts = [[3, 4, 5], [7]]
+    a = sample_answers(verifier, prompts, 10, torch.Generator().manual_seed(1))
+    b = sample_answers(verifier, prompts, 10, torch.Generator().manual_seed(1))
+    assert a == b and [len(x) for x in a] == [10, 10]
+    # left padding must not change a row's distribution: greedy row 1 alone equals row 1 in the batch
+    alone = sample_answers(verifier, [[7]], 6, torch.Generator(), temperature=0.0)
+    both = sample_answers(verifier, prompts, 6, torch.Generator(), temperature=0.0)
+    assert alone[0] == both[1]
+    eos = both[0][2]
+    stopped = sample_answers(verifier, [[3, 4, 5]], 6, torch.Generator(), temperature=0.0, eos_id=eos)
+    assert stopped[0][-1] == eos and len(stopped[0]) <= 3
+
+
+def test_dataset_shards_round_trip(tmp_path):
+    save_shard(tmp_path / "shard_00000.safetensors", [[1, 2, 3, 4], [5, 6]], [2, 1])
+    save_shard(tmp_path / "shard_00001.safetensors", [[7, 8, 9]], [1])
+    data = load_synthetic(tmp_path)
+    assert [s.tolist() for s in data.sequences] == [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    assert data.prompt_lens == [2, 1, 1] and data.response_tokens() == 5
+
+
+def test_sd2_training_decreases_the_loss(tmp_path):
+    torch.manual_seed(0)
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    drafter = tiny_llama(16, 2, 32, seed=1)
+    data = make_data(verifier)
+    bundle = sd2_bundle(verifier, drafter)
+    cfg = distill.TrainConfig(steps=30, batch_size=8, lr=1e-2, warmup=3, k=4, val_fraction=0.25,
+                              eval_every=0, save_every=0, seed=0, steer=True)
+    report = distill.train(bundle, verifier, data, cfg, tmp_path, pad_id=0, log=lambda *_: None)
+    assert report["final"]["val_kl"] < 0.8 * report["initial"]["val_kl"]
+    assert report["final"]["val_overlap"] > report["initial"]["val_overlap"]
+    assert torch.count_nonzero(bundle.steering.proj.weight) > 0  # W_s learned something
+    assert not any(len(m._forward_hooks) for m in drafter.modules())  # hooks removed after training
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    data = make_data(verifier, n=16)
+    cfg = dict(steps=6, batch_size=4, lr=5e-3, warmup=2, k=3, val_fraction=0.25, eval_every=0, save_every=0,
+               seed=3, steer=True)
+    straight = sd2_bundle(verifier, tiny_llama(16, 2, 32, seed=1))
+    distill.train(straight, verifier, data, distill.TrainConfig(**cfg), tmp_path / "a", 0, log=lambda *_: None)
+    resumed = sd2_bundle(verifier, tiny_llama(16, 2, 32, seed=1))
+    part = distill.train(resumed, verifier, data, distill.TrainConfig(**cfg, stop_at=3), tmp_path / "b", 0,
+                         log=lambda *_: None)
+    assert part["steps_done"] == 3 and (tmp_path / "b" / distill.CHECKPOINT).is_file()
+    fresh = sd2_bundle(verifier, tiny_llama(16, 2, 32, seed=1))
+    done = distill.train(fresh, verifier, data, distill.TrainConfig(**cfg), tmp_path / "b", 0, log=lambda *_: None)
+    assert done["steps_done"] == 6
+    for (name, a), (_, b) in zip(straight.state_dict().items(), fresh.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_time_budget_fits_the_schedule(tmp_path):
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    data = make_data(verifier, n=8)
+    cfg = distill.TrainConfig(steps=100_000, batch_size=4, lr=1e-3, warmup=2, k=2, val_fraction=0.25, eval_every=0,
+                              save_every=0, max_minutes=0.02, steer=False)
+    report = distill.train(distill.DrafterBundle(tiny_llama(16, 2, 32, seed=1)), verifier, data, cfg, tmp_path, 0,
+                           log=lambda *_: None)
+    assert 10 <= report["steps_scheduled"] < 100_000
+    assert report["steps_done"] >= 10
+
+
+def test_cli_writes_a_loadable_steered_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from steerspec.cli import main
+
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    drafter = tiny_llama(16, 2, 32, seed=1)
+    verifier.save_pretrained(str(tmp_path / "v"))
+    drafter.save_pretrained(str(tmp_path / "d"))
+    data = make_data(verifier, n=8)
+    (tmp_path / "data").mkdir()
+    save_shard(tmp_path / "data" / "shard_00000.safetensors", [s.tolist() for s in data.sequences], data.prompt_lens)
+    common = ["--data", str(tmp_path / "data"), "--verifier", str(tmp_path / "v"), "--drafter", str(tmp_path / "d"),
+              "--steps", "2", "--batch-size", "4", "--eval-every", "0"]
+    assert main(["train", "sd2", *common, "--out", str(tmp_path / "sd2"), "--k", "4", "--steer-layers", "1,2,3"]) == 0
+    assert main(["train", "distill", *common, "--out", str(tmp_path / "dist")]) == 0
+    steer = load_steering(tmp_path / "sd2")
+    assert steer.config.verifier_layers == (1, 2, 3) and steer.config.drafter_layers == 2
+    assert (tmp_path / "sd2" / "MODEL_CARD.md").is_file() and not (tmp_path / "sd2" / "checkpoint.pt").exists()
+    assert not (tmp_path / "dist" / "steering.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sd2"), local_files_only=True)
+    assert model.dtype == torch.float32
+
+
+def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from steerspec.cli import main
+    from steerspec.steering import default_layers, save_drafter_checkpoint
+
+    verifier_dir, drafter_dir = tiny_pair
+    vcfg = json.loads((verifier_dir / "config.json").read_text())
+    drafter = AutoModelForCausalLM.from_pretrained(str(drafter_dir), local_files_only=True, dtype=torch.float32)
+    head = SteeringHead(vcfg["hidden_size"], default_layers(vcfg["num_hidden_layers"]))
+    steering = DrafterSteering.for_model(drafter, vcfg["hidden_size"])
+    with torch.no_grad():
+        steering.proj.weight.normal_(0, 0.02)
+    sd2_dir = save_drafter_checkpoint(tmp_path / "sd2", drafter, tokenizer_from=drafter_dir, head=head, steering=steering)
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    for name in ("indist", "tests", "docs"):
+        rows = [{"id": f"{name}-{i}", "prompt": p, "source": "t"} for i, p in enumerate(["def fibonacci(n):", "class Queue:"])]
+        (evals / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "sd2", "--verifier", str(verifier_dir), "--drafters",
+            f"pretrained={drafter_dir},distilled={drafter_dir},sd2={sd2_dir}", "--eval-dir", str(evals),
+            "--limit", "2", "--max-new-tokens", "6", "--seeds", "0,1", "--k", "4", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    row = report["results"]["indist"]["sd2"]
+    assert len(row["tau_t1_seeds"]) == 2 and row["tau_t1_mean"] >= 1.0 and "tau_t0" in row
+    assert report["results"]["tests"]["pretrained"]["speedup_t1"] == 1.0
+    assert report["steering"]["sd2"]["bytes_per_reply"] == 2 * vcfg["hidden_size"]
+    assert {"indist_sd2_vs_pretrained_ge_30pct", "steering_overhead_le_5pct"} <= set(report["targets"])
+    assert out.with_suffix(".png").stat().st_size > 1000

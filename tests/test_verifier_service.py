@@ -1,0 +1,287 @@
+"""The verifier gRPC service: exact batched verification, limits, freeing, steering, health."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_helpers import greedy_reference, make_tiny_llama, open_verifier, verify, wait_for_stats
+
+from steerspec import wire
+from steerspec.models import load_model
+from steerspec.steering import SteeringHead, default_layers
+from steerspec.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_service.server import VerifierConfig, serve
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+
+class Server:
+    def __init__(self, running, servicer):
+        self.running, self.servicer = running, servicer
+        self.channel = grpc.aio.insecure_channel(running.target)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+
+    async def stats(self):
+        return (await self.stub.GetVerifierStats(verifier_pb2.GetVerifierStatsRequest(), timeout=10)).stats
+
+    async def stop(self):
+        await self.channel.close()
+        await self.running.stop(0.5)
+
+
+async def start(model, **config):
+    head = config.pop("steering_head", None)
+    running, servicer = await serve(model, VerifierConfig(**config), steering_head=head)
+    return Server(running, servicer)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load_model(str(make_tiny_llama(tmp_path_factory.mktemp("verifier"), seed=0)))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(model):
+    head = SteeringHead(model.config.hidden_size, default_layers(model.config.num_hidden_layers))
+    with torch.no_grad():
+        head.proj.weight.add_(0.05 * torch.randn_like(head.proj.weight))
+    srv = await start(model, batch_window_ms=5.0, steering_head=head.eval())
+    yield srv
+    await srv.stop()
+
+
+async def greedy_session(stub, prompt, reference, n_tokens, rng, max_k=6):
+    """Drive one greedy session with drafts that are partly right, partly wrong; return its output."""
+    call, ready = await open_verifier(stub, prompt, max_k=max_k)
+    assert ready.WhichOneof("kind") == "ready"
+    out, seq, committed, batch_sizes = [], 1, len(prompt), []
+    while len(out) < n_tokens:
+        k = rng.randint(0, max_k)
+        good = rng.randint(0, k)
+        drafts = reference[len(out): len(out) + good]
+        drafts += [rng.randrange(97) for _ in range(k - len(drafts))]
+        reply = await verify(call, seq, committed, drafts)
+        assert reply.WhichOneof("kind") == "result", reply
+        result = reply.result
+        new = drafts[: result.accepted] + [result.next_token]
+        out += new
+        committed += len(new)
+        assert result.committed_length == committed and result.seq == seq
+        assert result.is_bonus == (result.accepted == len(drafts))
+        assert result.verify_ms > 0 and result.queue_ms >= 0
+        batch_sizes.append(result.batch_size)
+        seq += 1
+    await call.done_writing()
+    return out[:n_tokens], batch_sizes
+
+
+async def test_single_session_greedy_equals_verifier_only(server, model):
+    prompt = [5, 6, 7, 8]
+    reference = greedy_reference(model, prompt, 24)
+    out, sizes = await greedy_session(server.stub, prompt, reference, 24, random.Random(0))
+    assert out == reference
+    assert set(sizes) == {1}
+
+
+async def test_concurrent_sessions_batched_and_exact(server, model):
+    prompts = [[5, 6, 7, 8], [9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41], [3, 3, 3], [77, 12, 60, 2, 8, 9]]
+    references = [greedy_reference(model, p, 20) for p in prompts]
+    runs = await asyncio.gather(*[greedy_session(server.stub, p, r, 20, random.Random(i))
+                                  for i, (p, r) in enumerate(zip(prompts, references))])
+    for (out, _), reference in zip(runs, references):
+        assert out == reference
+    assert max(max(sizes) for _, sizes in runs) > 1, "concurrent blocks were never batched"
+
+
+async def sampled_session(stub, prompt, seed, blocks=6, k=3):
+    """A sampling session with fixed drafts and a fixed q; returns the (accepted, next) per block."""
+    call, _ = await open_verifier(stub, prompt, temperature=30.0, seed=seed)  # flat enough to vary
+    ids = torch.arange(16).view(1, 16).expand(k, 16)
+    probs = torch.full((k, 16), 1 / 16)
+    q = wire.encode_sparse(ids, probs)
+    outcomes, committed = [], len(prompt)
+    for seq in range(1, blocks + 1):
+        result = (await verify(call, seq, committed, [1, 2, 3][:k], q)).result
+        outcomes.append((result.accepted, result.next_token))
+        committed = result.committed_length
+    await call.done_writing()
+    return outcomes
+
+
+async def test_seeded_sampling_does_not_depend_on_batching(server):
+    alone = await sampled_session(server.stub, [4, 5, 6], seed=11)
+    crowd = await asyncio.gather(sampled_session(server.stub, [4, 5, 6], seed=11),
+                                 sampled_session(server.stub, [9, 9], seed=3),
+                                 sampled_session(server.stub, [1, 2, 3, 4, 5], seed=5))
+    assert crowd[0] == alone
+    assert await sampled_session(server.stub, [4, 5, 6], seed=12) != alone
+
+
+async def test_close_cancel_and_deadline_free_the_cache(server):
+    base = await wait_for_stats(server.stats, lambda s: s.active_sessions == 0)
+    assert base.active_sessions == 0 and base.cache_bytes == 0
+    call, _ = await open_verifier(server.stub, list(range(1, 30)))
+    stats = await server.stats()
+    assert stats.active_sessions == 1 and stats.cache_bytes > 0
+    await call.write(verifier_pb2.VerifyRequest(close=verifier_pb2.VerifyClose(reason="done")))
+    stats = await wait_for_stats(server.stats, lambda s: s.active_sessions == 0)
+    assert stats.active_sessions == 0 and stats.cache_bytes == 0
+
+    call, _ = await open_verifier(server.stub, list(range(1, 30)))
+    call.cancel()
+    stats = await wait_for_stats(server.stats, lambda s: s.active_sessions == 0)
+    assert stats.active_sessions == 0 and stats.cache_bytes == 0
+
+    call, _ = await open_verifier(server.stub, list(range(1, 30)), timeout=0.5)
+    assert (await server.stats()).active_sessions == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = await wait_for_stats(server.stats, lambda s: s.active_sessions == 0)
+    assert stats.active_sessions == 0 and stats.cache_bytes == 0
+
+
+def expected_steering(model, head, committed):
+    """g from the hidden states entering the head's layers at the position whose logits produced
+    the last committed token (len - 2), from a plain full forward."""
+    with torch.inference_mode():
+        hs = model(input_ids=torch.tensor([committed]), output_hidden_states=True).hidden_states
+        return head(torch.cat([hs[i][0, len(committed) - 2] for i in head.layers])).float()
+
+
+async def steered_session(server, model, prompt, blocks=3):
+    head, hidden = server.servicer.head, model.config.hidden_size
+    call, ready = await open_verifier(server.stub, prompt, steering=True)
+    assert ready.ready.steering.dtype == "float16" and list(ready.ready.steering.shape) == [hidden]
+    g = wire.tensor_from_proto(ready.ready.steering, size=hidden)
+    torch.testing.assert_close(g, expected_steering(model, head, prompt).half().float(), atol=2e-2, rtol=2e-3)
+    committed, sizes = list(prompt), []
+    reference = greedy_reference(model, prompt, 3 * blocks)
+    for seq in range(1, blocks + 1):
+        drafts = reference[len(committed) - len(prompt):][:1] + [0]  # first right, second (likely) wrong
+        result = (await verify(call, seq, len(committed), drafts)).result
+        committed += drafts[: result.accepted] + [result.next_token]
+        g = wire.tensor_from_proto(result.steering, size=hidden)
+        torch.testing.assert_close(g, expected_steering(model, head, committed).half().float(), atol=2e-2, rtol=2e-3)
+        sizes.append(result.batch_size)
+    await call.done_writing()
+    return sizes
+
+
+async def test_steering_vectors_come_from_the_right_position(server, model):
+    await steered_session(server, model, [5, 6, 7, 8, 9])
+    sizes = await asyncio.gather(*[steered_session(server, model, p) for p in ([5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9, 8])])
+    assert max(max(s) for s in sizes) > 1  # also right inside batched passes
+    # a one-token prompt has no verifier position yet: the head applied to zeros
+    call, ready = await open_verifier(server.stub, [7], steering=True)
+    g = wire.tensor_from_proto(ready.ready.steering)
+    torch.testing.assert_close(g, server.servicer.head.initial(1)[0].detach().half().float())
+    await call.done_writing()
+
+
+async def test_limits_sessions_memory_and_idle(model):
+    srv = await start(model, max_sessions=2, max_cache_mb=0.02, idle_timeout_s=0.4)
+    try:
+        a, _ = await open_verifier(srv.stub, [1, 2])
+        b, _ = await open_verifier(srv.stub, [3, 4])
+        c, reply = None, None
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await open_verifier(srv.stub, [5, 6])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sessions 2" in info.value.details()
+        # idle sessions expire: both streams are aborted and their caches freed
+        for call in (a, b):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "idle" in info.value.details()
+        assert (await wait_for_stats(srv.stats, lambda s: s.active_sessions == 0)).active_sessions == 0
+        # memory: a prompt whose cache does not fit is refused at open ...
+        per_token = srv.servicer.table.bytes_per_token
+        fits = int(0.02 * 2**20 // per_token)
+        assert fits + 1 < srv.servicer.context
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await open_verifier(srv.stub, [1] * (fits + 1), max_k=1)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-cache-mb" in info.value.details()
+        # ... and a block that would pass the limit gets an in-stream error, the session stays usable
+        c, reply = await open_verifier(srv.stub, [1] * (fits - 9), max_k=8)
+        assert reply.WhichOneof("kind") == "ready"
+        committed, seq = fits - 9, 1
+        while committed < fits - 7:  # verifier-only steps (no drafts) grow the cache one token each
+            committed = (await verify(c, seq, committed, [])).result.committed_length
+            seq += 1
+        reply = await verify(c, seq, committed, [1] * 8)
+        assert reply.WhichOneof("kind") == "error"
+        assert reply.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "--max-cache-mb" in reply.error.message
+        reply = await verify(c, seq, committed, [1])
+        assert reply.WhichOneof("kind") == "result"
+        c.cancel()
+    finally:
+        await srv.stop()
+
+
+async def test_health_reflection_and_graceful_stop(model):
+    srv = await start(model)
+    health = health_pb2_grpc.HealthStub(srv.channel)
+    for name in ("", "steerspec.v1.VerifierService"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(srv.channel)
+    call = refl.ServerReflectionInfo(timeout=5)
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    listed = {s.name for s in (await call.read()).list_services_response.service}
+    await call.done_writing()
+    assert "steerspec.v1.VerifierService" in listed and "grpc.health.v1.Health" in listed
+    session, _ = await open_verifier(srv.stub, [1, 2, 3])
+    stopping = asyncio.ensure_future(srv.running.stop(0.3))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await session.read()
+    await stopping
+    assert len(srv.servicer.table) == 0
+    await srv.channel.close()
+
+
+async def test_cli_serves_with_device_map_and_stops_gracefully(tmp_path):
+    """`steerspec serve verifier --port 0 --device-map cpu` prints its address, answers health checks
+    and a session, and exits 0 on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    model_dir = make_tiny_llama(tmp_path / "v", seed=0)
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "steerspec", "serve", "verifier", "--model", str(model_dir),
+                             "--port", "0", "--device-map", "cpu", "--threads", "1", "--grace-s", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, line + proc.stderr.read()
+        target = line.split()[-1]
+        with grpc.insecure_channel(target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service="steerspec.v1.VerifierService"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            requests = iter([verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(prompt_ids=[5, 6, 7]))])
+            replies = list(stub.Verify(requests, timeout=20))
+            assert replies[0].WhichOneof("kind") == "ready" and replies[0].ready.committed_length == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,1 @@
+"""The remote verifier gRPC service (VerifierService): batched verification with per-session KV caches."""

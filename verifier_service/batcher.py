@@ -1,0 +1,307 @@
+"""Batched verification: blocks of concurrent sessions scored in ONE forward pass.
+
+`Batcher` collects submitted blocks for at most `window_s` (ending early as soon as every ready
+session has submitted, so a lone session never waits) and hands them to `VerifyRunner.run` on a
+single compute thread; the event loop keeps reading other streams meanwhile.
+
+Ragged batches: session i has a cache of L_i tokens and feeds n_i = k_i + 1 new tokens. Caches
+are copied right-padded into [B, H, L_max, D], new tokens right-padded to T = max n_i and placed
+after L_max; a 2-D attention mask hides the holes and position ids continue each session's own
+sequence (L_i + j). After the pass each session keeps only its accepted positions, appended to
+its own cache. A batch of one uses the session's cache directly (no copies). Acceptance runs per
+session with its own generator, so seeded sampling does not depend on who shared the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from steerspec.sampling import SparseDist, probs_from_logits
+from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
+from steerspec.wire import WireBlock
+from verifier_service.sessions import VerifierSession
+
+
+@dataclass
+class VerifyJob:
+    """One session's block waiting for (or in) a batch."""
+
+    session: VerifierSession
+    block: WireBlock
+    submitted: float = field(default_factory=time.perf_counter)
+    future: Optional[asyncio.Future] = None
+
+
+@dataclass
+class JobResult:
+    accepted: int
+    next_token: int
+    is_bonus: bool
+    steering: Optional[Tensor]
+    queue_ms: float
+    verify_ms: float
+    batch_size: int
+    error: Optional[BaseException] = None
+
+
+class VerifyRunner:
+    """The compute side: prefill and batched verify over one model (called on one thread)."""
+
+    def __init__(self, model, steering_head=None) -> None:
+        self.model = model
+        self.head = steering_head
+        self.device = model.device
+        self.config = model.config
+
+    # ------------------------------------------------------------------ helpers
+    def _steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
+        """g [B, d_V] from the hidden states entering the head's layers at (row, position)."""
+        head_device = next(self.head.parameters()).device  # layers may sit on several GPUs (--device-map)
+        feats = torch.cat([hidden_states[layer][rows, positions].to(head_device, torch.float32)
+                           for layer in self.head.layers], dim=-1)
+        return self.head(feats).float()
+
+    def initial_steering(self) -> Tensor:
+        """g for a one-token prompt (no verifier position yet): the head applied to zeros."""
+        return self.head.initial(1)[0].float()
+
+    @torch.inference_mode()
+    def prefill(self, session: VerifierSession, prompt: List[int]) -> Optional[Tensor]:
+        """Feed prompt[:-1]; return the steering vector for block 1 when the session asked for one."""
+        lm = session.lm
+        lm.reset()
+        feed = prompt[:-1]
+        want = session.steering and self.head is not None
+        if not feed:
+            return self.initial_steering() if want else None
+        if not want:
+            lm.extend(feed, logits_to_keep=1)
+            return None
+        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=lm.cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=True)
+        lm.length += len(feed)
+        zero = torch.zeros(1, dtype=torch.long)
+        return self._steering(out.hidden_states, zero, zero + len(feed) - 1)[0]
+
+    # ------------------------------------------------------------------ verify
+    @torch.inference_mode()
+    def run(self, jobs: List[VerifyJob]) -> List[JobResult]:
+        """Verify every job's block in one forward pass; roll each cache back; return results."""
+        start = time.perf_counter()
+        batch = len(jobs)
+        feeds = [[job.session.pending, *job.block.draft_ids.tolist()] for job in jobs]
+        want_hidden = self.head is not None and any(job.session.steering for job in jobs)
+        if batch == 1:
+            logits, hidden_states = self._forward_single(jobs[0].session, feeds[0], want_hidden)
+        else:
+            logits, hidden_states, new_kv = self._forward_batch(jobs, feeds, want_hidden)
+        accepted, next_tokens, is_bonus = self._accept(jobs, logits)
+        steering: List[Optional[Tensor]] = [None] * batch
+        if want_hidden:
+            rows = torch.arange(batch)
+            g = self._steering(hidden_states, rows, torch.tensor(accepted))
+            steering = [g[i] if job.session.steering else None for i, job in enumerate(jobs)]
+        # keep the accepted positions: the verifier cache ends at committed + a (pending excluded)
+        for i, job in enumerate(jobs):
+            session = job.session
+            if session.closed:
+                continue
+            if batch == 1:  # fed pending + k drafts onto n - 1 cached tokens; keep n + a
+                session.lm.rollback(session.committed + accepted[i])
+            else:
+                cache = session.lm.cache
+                for layer, (k, v) in enumerate(new_kv):
+                    cache.update(k[i : i + 1, :, : accepted[i] + 1], v[i : i + 1, :, : accepted[i] + 1], layer)
+                session.lm.length += accepted[i] + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        verify_ms = (time.perf_counter() - start) * 1e3
+        return [
+            JobResult(accepted=accepted[i], next_token=next_tokens[i], is_bonus=is_bonus[i], steering=steering[i],
+                      queue_ms=(start - job.submitted) * 1e3, verify_ms=verify_ms, batch_size=batch)
+            for i, job in enumerate(jobs)
+        ]
+
+    def _forward_single(self, session: VerifierSession, feed: List[int], want_hidden: bool):
+        lm = session.lm
+        if not want_hidden:
+            return lm.extend(feed).logits.unsqueeze(0), None
+        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+        try:
+            out = self.model(input_ids=ids, past_key_values=lm.cache, use_cache=True, output_hidden_states=True)
+        except BaseException:
+            lm.reset()
+            raise
+        lm.length += len(feed)
+        return out.logits, out.hidden_states
+
+    def _forward_batch(self, jobs: List[VerifyJob], feeds: List[List[int]], want_hidden: bool):
+        from transformers import DynamicCache
+
+        batch = len(jobs)
+        lengths = [job.session.lm.length for job in jobs]
+        width = max(len(f) for f in feeds)
+        l_max = max(lengths)
+        device = self.device
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, l_max + width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        for i, (feed, length) in enumerate(zip(feeds, lengths)):
+            input_ids[i, : len(feed)] = torch.tensor(feed)
+            mask[i, :length] = 1
+            mask[i, l_max : l_max + len(feed)] = 1
+            positions[i] = length + torch.arange(width)
+        cache = DynamicCache(config=self.config)
+        if l_max > 0:
+            for layer in range(len(jobs[0].session.lm.cache.layers)):
+                ref = next(job.session.lm.cache.layers[layer] for job, n in zip(jobs, lengths) if n > 0)
+                shape = list(ref.keys.shape)
+                shape[0], shape[2] = batch, l_max
+                keys = ref.keys.new_zeros(shape)
+                values = ref.values.new_zeros(shape)
+                for i, (job, n) in enumerate(zip(jobs, lengths)):
+                    if n:
+                        own = job.session.lm.cache.layers[layer]
+                        keys[i, :, :n] = own.keys[0, :, :n]
+                        values[i, :, :n] = own.values[0, :, :n]
+                cache.update(keys, values, layer)
+        out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                         position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+                         output_hidden_states=want_hidden)
+        new_kv = [(lay.keys[:, :, l_max:], lay.values[:, :, l_max:]) for lay in cache.layers]
+        return out.logits, out.hidden_states, new_kv
+
+    def _accept(self, jobs: List[VerifyJob], logits: Tensor):
+        """Per-session acceptance (greedy sessions together; sampling ones with their own generator)."""
+        batch = len(jobs)
+        accepted = [0] * batch
+        next_tokens = [0] * batch
+        is_bonus = [False] * batch
+        greedy_rows = [i for i, job in enumerate(jobs) if job.session.greedy]
+        if greedy_rows:
+            ks = [jobs[i].block.k for i in greedy_rows]
+            width = max(ks)
+            tokens = torch.zeros(len(greedy_rows), width, dtype=torch.long)
+            for r, i in enumerate(greedy_rows):
+                tokens[r, : ks[r]] = torch.from_numpy(jobs[i].block.draft_ids)
+            rows = logits[greedy_rows, : width + 1] if len(greedy_rows) < batch else logits[:, : width + 1]
+            block = DraftBlock(tokens=tokens.to(rows.device), lengths=torch.tensor(ks, device=rows.device))
+            outcome = greedy_verify(rows, block)
+            acc, nxt, bon = outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()
+            for r, i in enumerate(greedy_rows):
+                accepted[i], next_tokens[i], is_bonus[i] = int(acc[r]), int(nxt[r]), bool(bon[r])
+        for i, job in enumerate(jobs):
+            if job.session.greedy:
+                continue
+            k, params = job.block.k, job.session.params
+            rows = logits[i : i + 1, : k + 1]
+            probs = probs_from_logits(rows, params.temperature, params.top_k, params.top_p)
+            tokens = torch.from_numpy(job.block.draft_ids).view(1, k).to(rows.device)
+            q = job.block.q
+            if q is not None:
+                q = SparseDist(ids=q.ids.unsqueeze(0).to(rows.device), probs=q.probs.unsqueeze(0).to(rows.device))
+            block = DraftBlock(tokens=tokens, lengths=torch.tensor([k], device=rows.device), q=q)
+            outcome = rejection_sample(probs, block, job.session.generator)
+            accepted[i], next_tokens[i], is_bonus[i] = (int(outcome.accepted[0]), int(outcome.next_tokens[0]),
+                                                       bool(outcome.is_bonus[0]))
+        return accepted, next_tokens, is_bonus
+
+
+class Batcher:
+    """Collects jobs for at most `window_s`, or until every ready session has submitted."""
+
+    def __init__(self, runner: VerifyRunner, window_s: float, expected: Callable[[], int], max_batch: int = 64) -> None:
+        self.runner = runner
+        self.window_s = max(0.0, float(window_s))
+        self.expected = expected
+        self.max_batch = max(1, int(max_batch))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._pending: List[VerifyJob] = []
+        self._wake = asyncio.Event()
+        self._task: Optional[asyncio.Task] = None
+        self.batches = 0
+        self.batched_blocks = 0
+        self._busy = 0  # calls running on the compute thread
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def run_compute(self, fn, *args):
+        """Run `fn(*args)` on the compute thread (serialised with batches), or inline on the event
+        loop when at most one session is active: a thread hop costs milliseconds on a loaded host."""
+        if self.expected() <= 1 and not self._busy:
+            return fn(*args)
+        self._busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self._busy -= 1
+
+    async def submit(self, job: VerifyJob) -> JobResult:
+        job.submitted = time.perf_counter()
+        if self.expected() <= 1 and not self._pending and not self._busy:
+            # a lone session: verify right here, no hand-off to the batching task
+            results = self.runner.run([job])
+            self.batches += 1
+            self.batched_blocks += 1
+            return results[0]
+        job.future = asyncio.get_running_loop().create_future()
+        self._pending.append(job)
+        self._wake.set()
+        return await job.future
+
+    async def _loop(self) -> None:
+        while True:
+            while not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            deadline = self._pending[0].submitted + self.window_s
+            while len(self._pending) < min(self.expected(), self.max_batch):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            jobs = [j for j in self._pending[: self.max_batch] if not j.future.done()]
+            self._pending = self._pending[self.max_batch :]
+            jobs = [j for j in jobs if not j.session.closed]
+            if not jobs:
+                continue
+            try:
+                results = await self.run_compute(self.runner.run, jobs)
+            except Exception as exc:  # the forward failed: every job in it gets the error
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+                continue
+            self.batches += 1
+            self.batched_blocks += len(jobs)
+            for job, result in zip(jobs, results):
+                if not job.future.done():
+                    job.future.set_result(result)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for job in self._pending:
+            if job.future is not None and not job.future.done():
+                job.future.cancel()
+        self._pending = []
+        self.executor.shutdown(wait=False, cancel_futures=True)

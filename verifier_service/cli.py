@@ -1,0 +1,96 @@
+"""Serve the remote verifier: batched verification of draft blocks over gRPC (VerifierService)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+
+from steerspec.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=50061, help="port to bind (0 = any free port)")
+    parser.add_argument("--model", default="verifier", help="bundled name or local checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument("--device-map", default=None,
+                        help="passed to from_pretrained (e.g. 'auto' shards the verifier over all GPUs)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="sessions served at once")
+    parser.add_argument("--max-cache-mb", type=float, default=0.0, help="KV-cache memory limit (0 = none)")
+    parser.add_argument("--batch-window-ms", type=float, default=2.0,
+                        help="longest wait to batch blocks of concurrent sessions (ends early when all submitted)")
+    parser.add_argument("--max-batch", type=int, default=64, help="most blocks in one forward pass")
+    parser.add_argument("--idle-timeout-s", type=float, default=300.0, help="expire sessions idle this long (0 = never)")
+    parser.add_argument("--steering-head", default=None,
+                        help="SD² checkpoint directory whose steering head W_hml this verifier runs")
+    parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+
+
+def load_verifier(model: str, dtype: str, device: str, device_map=None):
+    """Load the verifier; with a device map, from_pretrained places (shards) the layers itself."""
+    from steerspec.models.loading import _check_swiglu, load_model, resolve_dtype, resolve_model_dir
+
+    if not device_map:
+        return load_model(model, dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_dir(model)
+    _check_swiglu(path)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=resolve_dtype(dtype),
+                                                      device_map=device_map)
+    except (OSError, ValueError, ImportError) as exc:
+        raise UsageError(f"cannot load {path} with --device-map {device_map}: {str(exc).splitlines()[0]}") from exc
+    loaded.eval()
+    loaded.requires_grad_(False)
+    return loaded
+
+
+def load_head(directory: str, device):
+    from steerspec.steering import load_steering_head
+
+    try:
+        return load_steering_head(directory, device=device)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise UsageError(f"cannot load the steering head from {directory}: {exc}") from exc
+
+
+async def _main(args) -> int:
+    from steerspec.grpc_common import serve_until_signal
+    from verifier_service.server import VerifierConfig, serve
+
+    if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from steerspec.tracing import instrument_grpc, setup_tracing
+
+        setup_tracing("steerspec-verifier", trace_file=args.trace_file)
+        instrument_grpc()
+    model = load_verifier(args.model, args.dtype, args.device, args.device_map)
+    head = load_head(args.steering_head, model.device) if args.steering_head else None
+    config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
+                            batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
+                            max_batch=args.max_batch,
+                            model_name=str(args.model))
+    running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
+                                    max_message_bytes=int(args.max_message_mb * 2**20))
+    servicer.config.replica = f"{socket.gethostname()}:{running.port}"
+    print(f"steerspec verifier serving {args.model} on {running.target}", flush=True)
+    await serve_until_signal(running, grace=args.grace_s)
+    return 0
+
+
+def run(args) -> int:
+    if args.max_sessions < 1:
+        raise UsageError("--max-sessions must be at least 1")
+    if args.batch_window_ms < 0:
+        raise UsageError("--batch-window-ms must be >= 0")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return asyncio.run(_main(args))

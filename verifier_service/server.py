@@ -1,0 +1,261 @@
+"""The verifier gRPC service: one bidirectional Verify stream per session, blocks batched.
+
+Stream protocol (proto/steerspec/v1/verifier.proto, CONTRACT.md):
+  VerifyOpen -> VerifyReady (prefill of prompt[:-1]; steering for block 1 when asked)
+  DraftBlock -> VerifyResult, or StreamError (the session is left unchanged; fix and resend)
+  VerifyClose / stream end / cancel / deadline -> the session's cache is freed at once.
+An invalid open, or a first message that is not an open, aborts the stream with a status code.
+Sequence numbers: the first block of a stream may carry any seq (a resumed session continues its
+numbering); each later block must carry the previous verified seq + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+import torch
+
+from steerspec import wire
+from steerspec.models.loading import context_length
+from steerspec.policies.base import MAX_K
+from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from steerspec.wire import ProtocolError, code_number
+from verifier_service.batcher import Batcher, VerifyJob, VerifyRunner
+from verifier_service.sessions import SessionTable, VerifierSession
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "steerspec.v1.VerifierService"
+
+
+@dataclass
+class VerifierConfig:
+    """Limits and knobs of one verifier replica (see `steerspec serve verifier --help`)."""
+
+    max_sessions: int = 64
+    max_cache_mb: float = 0.0  # 0 = no limit
+    batch_window_ms: float = 2.0
+    idle_timeout_s: float = 300.0
+    max_batch: int = 64
+    replica: str = ""
+    model_name: str = ""
+
+
+def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(error=common_pb2.StreamError(code=code_number(code), message=message, seq=seq))
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    """Holds the model, the session table and the batcher."""
+
+    def __init__(self, model, config: VerifierConfig, steering_head=None) -> None:
+        self.model = model
+        self.config = config
+        self.vocab_size = int(model.config.vocab_size)
+        self.context = context_length(model)
+        self.head = steering_head
+        self.table = SessionTable(model, config.max_sessions, int(config.max_cache_mb * 2**20))
+        self.runner = VerifyRunner(model, steering_head)
+        self.batcher = Batcher(self.runner, config.batch_window_ms / 1e3, lambda: self.table.ready_count,
+                               max_batch=config.max_batch)
+        self.device = model.device
+        self._tracer = None
+        try:
+            from steerspec import tracing
+
+            self._tracing = tracing
+            self._tracer = tracing.get_tracer(__name__)
+        except ImportError:  # pragma: no cover - tracing is optional
+            self._tracing = None
+
+    async def start(self) -> None:
+        self.batcher.start()
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        for session in self.table.active():
+            self.table.close(session)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> common_pb2.ServiceStats:
+        return common_pb2.ServiceStats(
+            active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
+            max_sessions=self.table.max_sessions, max_cache_bytes=self.table.max_cache_bytes,
+            blocks_total=self.table.blocks_total, model=self.config.model_name)
+
+    async def GetVerifierStats(self, request, context):
+        return verifier_pb2.GetVerifierStatsResponse(stats=self.stats())
+
+    # ------------------------------------------------------------------ the stream
+    async def Verify(self, request_iterator, context):
+        session: Optional[VerifierSession] = None
+        try:
+            first = await self._read(context, None)
+            if first is None:
+                return
+            kind = first.WhichOneof("kind")
+            if kind != "open":
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the first message of a Verify stream must be VerifyOpen, got "
+                                    f"{kind or 'an empty VerifyRequest'}; open the session first")
+            try:
+                session, ready = await self._open(first.open)
+            except ProtocolError as exc:
+                await context.abort(exc.code, exc.message)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # prefill failed (e.g. out of memory): nothing was kept
+                log.exception("prefill failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed ({type(exc).__name__}: {exc})")
+            await context.write(verifier_pb2.VerifyResponse(ready=ready))
+            while True:
+                request = await self._read(context, session)
+                if request is None:
+                    return
+                kind = request.WhichOneof("kind")
+                if kind == "close":
+                    return
+                if kind == "block":
+                    try:
+                        response = await self._verify(session, request.block)
+                    except (asyncio.CancelledError, grpc.aio.AbortError):
+                        raise
+                    except Exception as exc:  # a failed forward: the cache may be partial, end the session
+                        log.exception("verify failed for session %s", session.session_id)
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"verification failed ({type(exc).__name__}: {exc}); the session was "
+                                            "closed: reopen it with the committed prefix")
+                elif kind == "open":
+                    response = _error(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"session {session.session_id!r} is already open on this stream; "
+                                      "open a new stream for another session")
+                else:
+                    response = _error(grpc.StatusCode.INVALID_ARGUMENT,
+                                      "empty VerifyRequest: set one of open, block or close")
+                session.touch()
+                await context.write(response)
+        finally:
+            if session is not None:
+                self.table.close(session)
+
+    async def _read(self, context, session: Optional[VerifierSession]):
+        """The next request, or None at stream end; aborts idle sessions after --idle-timeout-s."""
+        timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
+        try:
+            request = await asyncio.wait_for(context.read(), timeout)
+        except asyncio.TimeoutError:
+            if session is not None:
+                self.table.close(session)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
+                                "its cache was freed: reopen with the committed prefix to resume")
+        if request is grpc.aio.EOF:
+            return None
+        return request
+
+    async def _open(self, msg: verifier_pb2.VerifyOpen):
+        prompt = wire.ids_array(msg.prompt_ids)
+        if prompt.size == 0:
+            raise wire.invalid("prompt_ids is empty: a session needs at least one prompt token")
+        wire.check_ids(prompt, self.vocab_size, "prompt_ids")
+        if prompt.size > self.context:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"prompt has {prompt.size} tokens; the verifier's context is {self.context}")
+        params = wire.sampling_from_proto(msg.sampling if msg.HasField("sampling") else None, self.vocab_size)
+        max_k = int(msg.max_k) or MAX_K
+        if max_k > MAX_K:
+            raise wire.invalid(f"max_k {max_k} exceeds this verifier's limit of {MAX_K} draft tokens per block")
+        if msg.steering and self.head is None:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "steering was requested but this verifier has no SD² steering head; start it "
+                                "with --steering-head DIR or open the session with steering=false")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed((int(msg.seed) + 1) % (2**63))  # the verifier's stream is seed + 1 (engine.py)
+        prompt_ids = prompt.tolist()
+        session = self.table.open(msg.session_id, len(prompt_ids), max_k, pending=prompt_ids[-1], params=params,
+                                  generator=generator, steering=bool(msg.steering))
+        start = time.perf_counter()
+        try:
+            steering = await self.batcher.run_compute(self.runner.prefill, session, prompt_ids)
+        except BaseException:
+            self.table.close(session)
+            raise
+        session.ready = True
+        session.touch()
+        ready = verifier_pb2.VerifyReady(session_id=session.session_id, committed_length=session.committed,
+                                         prefill_ms=(time.perf_counter() - start) * 1e3,
+                                         replica=self.config.replica)
+        if steering is not None:
+            ready.steering.CopyFrom(wire.tensor_to_proto(steering))
+        return session, ready
+
+    def _check_block(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> wire.WireBlock:
+        if session.last_seq is not None and msg.seq != session.last_seq + 1:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"wrong seq {msg.seq}: the last verified block was {session.last_seq}, "
+                                f"so the next must be {session.last_seq + 1}")
+        if msg.committed_length != session.committed:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"block {msg.seq} extends a prefix of {msg.committed_length} tokens but the session "
+                                f"has committed {session.committed}; draft from the committed sequence")
+        k = len(msg.draft_ids)
+        if k > session.max_k:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"block {msg.seq} has {k} draft tokens; the session's max_k is {session.max_k}")
+        if session.committed + k > self.context:
+            raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"block {msg.seq} would take the sequence to {session.committed + k} tokens; the "
+                                f"verifier's context is {self.context}: draft fewer tokens or stop")
+        block = wire.decode_block(msg, self.vocab_size, session.greedy)
+        self.table.reserve(session, session.committed + k)
+        return block
+
+    async def _verify(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> verifier_pb2.VerifyResponse:
+        try:
+            block = self._check_block(session, msg)
+        except ProtocolError as exc:
+            return _error(exc.code, exc.message, msg.seq)
+        start_ns = time.time_ns()
+        result = await self.batcher.submit(VerifyJob(session=session, block=block))
+        committed = session.committed + result.accepted + 1
+        session.committed = committed
+        session.pending = result.next_token
+        session.last_seq = block.seq
+        session.blocks += 1
+        self.table.blocks_total += 1
+        out = common_pb2.VerifyResult(seq=block.seq, accepted=result.accepted, next_token=result.next_token,
+                                      is_bonus=result.is_bonus, committed_length=committed,
+                                      queue_ms=result.queue_ms, verify_ms=result.verify_ms,
+                                      batch_size=result.batch_size)
+        if result.steering is not None:
+            out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
+        if self._tracer is not None and self._tracing is not None:
+            self._record_spans(start_ns, result, block, msg.ByteSize())
+        return verifier_pb2.VerifyResponse(result=out)
+
+    def _record_spans(self, start_ns: int, result, block: wire.WireBlock, nbytes: int) -> None:
+        queue_end = start_ns + int(result.queue_ms * 1e6)
+        end = queue_end + int(result.verify_ms * 1e6)
+        t = self._tracing
+        t.record_span(self._tracer, t.VERIFIER_QUEUE_SPAN, start_ns, queue_end, block=block.seq, k=block.k,
+                      bytes=nbytes)
+        t.record_span(self._tracer, t.VERIFIER_FORWARD_SPAN, queue_end, end, block=block.seq, k=block.k,
+                      accepted=result.accepted, batch_size=result.batch_size)
+
+
+async def serve(model, config: VerifierConfig, host: str = "127.0.0.1", port: int = 0, steering_head=None,
+                max_message_bytes: Optional[int] = None):
+    """Start a verifier server; returns (RunningServer, servicer). Stop with `running.stop(grace)`."""
+    from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
+
+    servicer = VerifierServicer(model, config, steering_head)
+    await servicer.start()
+    running = await start_server([(verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)],
+                                 [SERVICE_NAME], host=host, port=port,
+                                 max_message_bytes=max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+    running.on_stop.append(servicer.close)
+    return running, servicer

@@ -1,0 +1,131 @@
+"""Verifier sessions: one per Verify stream, each with its own KV cache (a CachedLM) and limits.
+
+A session's committed sequence has `committed` tokens; the last one (`pending`) is not in the
+cache, so the cache always holds `committed - 1` tokens between blocks (CONTRACT.md protocol).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import grpc
+import torch
+
+from steerspec.models.kv import CachedLM
+from steerspec.sampling import SamplingParams
+from steerspec.wire import ProtocolError
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * heads * head_dim * itemsize
+
+
+@dataclass
+class VerifierSession:
+    """State of one session on this replica."""
+
+    session_id: str
+    lm: CachedLM
+    committed: int
+    pending: int
+    params: SamplingParams
+    generator: torch.Generator
+    max_k: int
+    steering: bool
+    last_seq: Optional[int] = None
+    blocks: int = 0
+    ready: bool = False
+    closed: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+
+class SessionTable:
+    """Open sessions with the replica's limits (sessions, KV-cache memory)."""
+
+    def __init__(self, model, max_sessions: int, max_cache_bytes: int) -> None:
+        self.model = model
+        self.max_sessions = int(max_sessions)
+        self.max_cache_bytes = int(max_cache_bytes)
+        self.bytes_per_token = kv_bytes_per_token(model)
+        self.sessions: Dict[str, VerifierSession] = {}
+        self.reserved: Dict[str, int] = {}  # session id -> tokens of cache accounted for
+        self.blocks_total = 0
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.ready and not s.closed)
+
+    def cache_bytes(self) -> int:
+        return sum(s.lm.length for s in self.sessions.values()) * self.bytes_per_token
+
+    def reserved_bytes(self) -> int:
+        return sum(self.reserved.values()) * self.bytes_per_token
+
+    def check_room(self, session_id: Optional[str], tokens: int) -> None:
+        """RESOURCE_EXHAUSTED if growing `session_id`'s cache to `tokens` passes --max-cache-mb."""
+        if self.max_cache_bytes <= 0:
+            return
+        current = self.reserved.get(session_id, 0) if session_id else 0
+        need = self.reserved_bytes() + (tokens - current) * self.bytes_per_token
+        if need > self.max_cache_bytes:
+            raise ProtocolError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"KV-cache memory limit reached: {need / 2**20:.2f} MiB needed of --max-cache-mb "
+                f"{self.max_cache_bytes / 2**20:.2f}; retry later, use another replica, or raise --max-cache-mb",
+            )
+
+    def open(self, session_id: str, prompt_len: int, max_k: int, **fields) -> VerifierSession:
+        """Register a session (limits checked); its cache is filled by the caller's prefill."""
+        if not session_id:
+            session_id = uuid.uuid4().hex
+        if session_id in self.sessions:
+            raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"session {session_id!r} is already open on this replica; close its stream first "
+                                "or use a new session id")
+        if len(self.sessions) >= self.max_sessions:
+            raise ProtocolError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
+                                "later or use another replica")
+        self.check_room(None, prompt_len + max_k)
+        session = VerifierSession(session_id=session_id, lm=CachedLM(self.model), committed=prompt_len,
+                                  max_k=max_k, **fields)
+        self.sessions[session_id] = session
+        self.reserved[session_id] = prompt_len + max_k
+        return session
+
+    def reserve(self, session: VerifierSession, tokens: int) -> None:
+        """Account for a cache of up to `tokens` tokens (checked against the memory limit)."""
+        if tokens > self.reserved.get(session.session_id, 0):
+            self.check_room(session.session_id, tokens)
+            self.reserved[session.session_id] = tokens
+
+    def close(self, session: VerifierSession) -> None:
+        """Free the session's cache now (stream end, cancel, deadline, idle expiry)."""
+        session.closed = True
+        session.ready = False
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+            self.reserved.pop(session.session_id, None)
+        session.lm.reset()
+
+    def active(self) -> List[VerifierSession]:
+        return list(self.sessions.values())
