@@ -199,7 +199,9 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
                  _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PYTHONPATH": path}})
     actors = []
     try:
-        common = {"dtype": _arg(args, "dtype", "float32"), "device": _arg(args, "device", "cpu")}
+        trace_file = _arg(args, "trace_file", None)
+        common = {"dtype": _arg(args, "dtype", "float32"), "device": _arg(args, "device", "cpu"),
+                  "trace_file": trace_file}
         verifier = ray_app.VerifierActor.remote(model=str(_arg(args, "verifier", "verifier")), **common)
         actors.append(verifier)
         drafter_name = _arg(args, "drafter", "pretrained")
@@ -214,7 +216,7 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
             verifiers=[verifier_target], drafters=[drafter_target] if drafter_target else [],
             tokenizer=str(_arg(args, "verifier", "verifier")), rtt_ms=float(_arg(args, "rtt_ms", 0.0)),
             jitter_ms=float(_arg(args, "jitter_ms", 0.0)), bandwidth_mbps=float(_arg(args, "bandwidth_mbps", 0.0)),
-            link_seed=int(_arg(args, "link_seed", 0)))
+            link_seed=int(_arg(args, "link_seed", 0)), trace_file=trace_file)
         actors.append(coordinator)
         target = ray.get(coordinator.start.remote(), timeout=120)
         start = time.perf_counter()
@@ -245,32 +247,32 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
 class SummaryResult(DistributedResult):
     """A DistributedResult rebuilt from a GenerationSummary (per-block means, no per-block list)."""
 
-    summary: object = None
+    wire_summary: object = None
 
     @property
     def accepted_per_position(self):
-        return list(self.summary.accepted_per_position)
+        return list(self.wire_summary.accepted_per_position)
 
     @property
     def rtt_ms(self) -> float:
-        return float(self.summary.rtt_ms)
+        return float(self.wire_summary.rtt_ms)
 
     @property
     def bytes_up(self) -> float:
-        return float(self.summary.bytes_up)
+        return float(self.wire_summary.bytes_up)
 
     @property
     def bytes_down(self) -> float:
-        return float(self.summary.bytes_down)
+        return float(self.wire_summary.bytes_down)
 
     def stage_ms(self, reduce=None):
-        return dict(self.summary.stage_ms)
+        return dict(self.wire_summary.stage_ms)
 
     def to_json(self):
         out = super().to_json()
         out.pop("stage_ms_median", None)
         out["batch_size"] = None
-        out["coordinator_wall_s"] = round(float(self.summary.wall_s), 6)
+        out["coordinator_wall_s"] = round(float(self.wire_summary.wall_s), 6)
         return out
 
 
@@ -280,7 +282,7 @@ def result_from_summary(summary, prompt_tokens: int, mode: str, wall_s: float) -
                            prompt_tokens=prompt_tokens, rounds=summary.rounds, drafted=summary.drafted,
                            accepted=summary.accepted, wall_s=wall_s, stop_reason=summary.finish_reason,
                            session_id=summary.session_id, resumes=summary.resumes, trace_id=summary.trace_id,
-                           summary=summary)
+                           wire_summary=summary)
     result.draft_s = summary.stage_ms["draft"] * summary.rounds / 1000.0
     result.verify_s = summary.stage_ms["verify"] * summary.rounds / 1000.0
     return result

@@ -462,7 +462,8 @@ class SessionLoop:
                                   stages=BlockStages(rtt_ms=stats.cycle_ms, draft_ms=stats.draft_ms,
                                                      network_ms=stats.network_ms, queue_ms=stats.queue_ms,
                                                      verify_ms=stats.verify_ms),
-                                  bytes_up=stats.bytes_up, bytes_down=stats.bytes_down)
+                                  bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
+                                  committed=stats.committed)
         tracer = self.cfg.tracer
         if tracer is not None:
             block_span(tracer, stats)

@@ -19,7 +19,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from steerspec.models.kv import CachedLM
+from steerspec.models.kv import CachedLM, cached_lm
 from steerspec.policies.base import PolicyBase
 from steerspec.policies.fixed import FixedK
 from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits, sample_sparse, truncate_top_k
@@ -209,7 +209,7 @@ class DrafterSessionTable:
             raise ProtocolError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this drafter already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
-        session = DrafterSession(session_id=session_id, lm=CachedLM(self.model), **fields)
+        session = DrafterSession(session_id=session_id, lm=cached_lm(self.model), **fields)
         self.sessions[session_id] = session
         return session
 

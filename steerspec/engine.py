@@ -31,7 +31,7 @@ from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
 from steerspec.policies.base import DraftLengthPolicy
 from steerspec.policies.fixed import FixedK
-from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits, sample, sample_sparse, truncate_top_k
+from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, probs_from_logits, sample, sample_sparse, truncate_top_k
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
 
 
@@ -131,7 +131,7 @@ def draft_block(
             probs = logits.softmax(-1)[0] if stops_early else None
         else:
             probs_full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-            dist = truncate_top_k(probs_full, config.draft_top_k)
+            dist = fp16_roundtrip(truncate_top_k(probs_full, config.draft_top_k))
             token = sample_sparse(dist, generator)  # [1]
             q_ids.append(dist.ids)
             q_probs.append(dist.probs)

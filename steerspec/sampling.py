@@ -62,6 +62,20 @@ class SparseDist:
         return (self.probs * hit).sum(-1)
 
 
+def renormalise(probs: Tensor) -> Tensor:
+    """Divide each row [..., S] by its sum (the same op on both sides of the wire)."""
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def fp16_roundtrip(dist: SparseDist) -> SparseDist:
+    """The distribution the wire carries: probs quantised to fp16, back to float32, renormalised.
+
+    A sampling drafter samples from this, in-process too, so drafter and verifier use the
+    identical q and a seed gives the same tokens whichever transport runs the session.
+    """
+    return SparseDist(ids=dist.ids, probs=renormalise(dist.probs.to(torch.float16).float()))
+
+
 def _as_rows(value: Union[float, int, Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
     """Broadcast a scalar or per-row parameter to logits.shape[:-1] + (1,)."""
     t = torch.as_tensor(value, dtype=dtype, device=like.device)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from steerspec.sampling import SamplingParams, SparseDist
+from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, renormalise  # noqa: F401 (re-exported)
 from steerspec.v1 import common_pb2
 
 WIRE_DTYPES = {"float16": (np.dtype("<f2"), torch.float16), "bfloat16": (None, torch.bfloat16),
@@ -108,19 +108,6 @@ def check_ids(ids: np.ndarray, vocab_size: int, what: str) -> None:
 
 
 # --------------------------------------------------------------------------- sparse distributions
-
-
-def renormalise(probs: Tensor) -> Tensor:
-    """Divide each row [..., S] by its sum (the same op on both sides of the wire)."""
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def fp16_roundtrip(dist: SparseDist) -> SparseDist:
-    """The distribution the wire carries: probs quantised to fp16, back to float32, renormalised.
-
-    A sampling drafter samples from this so that drafter and verifier use identical q.
-    """
-    return SparseDist(ids=dist.ids, probs=renormalise(dist.probs.to(torch.float16).float()))
 
 
 def encode_sparse(ids: Tensor, probs: Tensor) -> common_pb2.SparseDistribution:

@@ -1,7 +1,7 @@
 """`steerspec run PROMPT`: generate with speculative decoding (or the verifier alone).
 
 Defaults: the bundled verifier and pretrained drafter, greedy decoding (--temperature 0, so
-`make run` prints the same text every time), k = 8, 64 new tokens, in-process transport.
+`make run` prints the same text every time), k = 8, 64 new tokens, the distributed gRPC path on a local loopback Ray (--transport inproc: in-process).
 Prints the generated text, then one summary line (block efficiency, acceptance rate, tokens/s);
 with --json, one JSON object instead.
 """
@@ -20,7 +20,7 @@ from steerspec.sampling import MAX_DRAFT_TOP_K, SamplingParams
 
 MODES = ("speculative", "autoregressive")
 TRANSPORTS = ("inproc", "grpc")
-DEFAULT_TRANSPORT = "inproc"
+DEFAULT_TRANSPORT = "grpc"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
                         help=f"inproc: both models in this process; grpc: drafter and verifier services "
                              f"(default: {DEFAULT_TRANSPORT})")
+    parser.add_argument("--trace-file", default=None,
+                        help="write OpenTelemetry spans of every service as JSONL here (grpc transport; "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT, when set, exports over OTLP instead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

@@ -47,21 +47,30 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 __all__ = [
+    "BLOCK_SPAN",
+    "DRAFTER_DRAFT_SPAN",
+    "GENERATION_SPAN",
+    "VERIFIER_FORWARD_SPAN",
+    "VERIFIER_QUEUE_SPAN",
     "BlockStages",
     "JsonlSpanExporter",
+    "block_attributes",
     "block_span",
     "current_trace_id",
     "flush_tracing",
     "generation_span",
     "get_tracer",
     "instrument_grpc",
-    "uninstrument_grpc",
+    "mark_error",
+    "now_ns",
     "record_span",
+    "server_interceptors",
     "set_block_stages",
     "setup_tracing",
     "shutdown_tracing",
     "span_context",
     "stage_span",
+    "uninstrument_grpc",
 ]
 
 TRACER_NAME = "steerspec"
