@@ -83,10 +83,17 @@ class LocalCluster:
         from verifier_service.server import VerifierConfig, serve as serve_verifier
 
         verifier_model = _load(self.verifier, self.dtype, self.device)
+        steering_dir = (_steering_dir(self.drafter)
+                        if self.drafters and isinstance(self.drafter, (str, os.PathLike)) else None)
+        head = None
+        if steering_dir is not None:  # an SD² drafter: the verifier runs its W_hml
+            from steerspec.steering import load_steering_head
+
+            head = load_steering_head(steering_dir, device=verifier_model.device)
         for i in range(self.verifiers):
             config = VerifierConfig(replica=f"local-verifier-{i}", model_name=str(self.verifier),
                                     **self.verifier_options)
-            running, _ = await serve_verifier(verifier_model, config, host="127.0.0.1", port=0)
+            running, _ = await serve_verifier(verifier_model, config, host="127.0.0.1", port=0, steering_head=head)
             self._servers.append(running)
             self.verifier_servers.append(running)
             self.verifier_targets.append(running.target)
@@ -94,9 +101,14 @@ class LocalCluster:
             from drafter_service.server import DrafterConfig, serve as serve_drafter
 
             drafter_model = _load(self.drafter, self.dtype, self.device)
+            hooks = None
+            if steering_dir is not None:
+                from steerspec.steering import attach_steering, load_steering
+
+                hooks = attach_steering(drafter_model, load_steering(steering_dir, device=drafter_model.device).drafter)
             for i in range(self.drafters):
                 config = DrafterConfig(model_name=str(self.drafter), **self.drafter_options)
-                running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0)
+                running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)
                 self._servers.append(running)
                 self.drafter_servers.append(running)
                 self.drafter_targets.append(running.target)
@@ -202,10 +214,12 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
         trace_file = _arg(args, "trace_file", None)
         common = {"dtype": _arg(args, "dtype", "float32"), "device": _arg(args, "device", "cpu"),
                   "trace_file": trace_file}
-        verifier = ray_app.VerifierActor.remote(model=str(_arg(args, "verifier", "verifier")), **common)
-        actors.append(verifier)
         drafter_name = _arg(args, "drafter", "pretrained")
         mode = _arg(args, "mode", "speculative")
+        steering_dir = _steering_dir(drafter_name) if mode == "speculative" else None
+        verifier = ray_app.VerifierActor.remote(model=str(_arg(args, "verifier", "verifier")),
+                                                steering_head=steering_dir, **common)
+        actors.append(verifier)
         drafter = None
         if mode == "speculative":
             drafter = ray_app.DrafterActor.remote(model=str(drafter_name), **common)
@@ -226,7 +240,7 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
                 temperature=float(_arg(args, "temperature", 0.0)), top_k=int(_arg(args, "top_k", 0)),
                 top_p=float(_arg(args, "top_p", 1.0)), seed=int(_arg(args, "seed", 0)), k=int(_arg(args, "k", 4)),
                 draft_top_k=int(_arg(args, "draft_top_k", 64)), mode=mode, policy=str(_arg(args, "policy", "fixed")),
-                steering=bool(_arg(args, "steering", False)), timeout=float(_arg(args, "timeout", 600.0)))
+                steering=steering_dir is not None, timeout=float(_arg(args, "timeout", 600.0)))
         wall = time.perf_counter() - start
         return result_from_summary(summary, prompt_tokens=len(prompt_ids), mode=mode, wall_s=wall)
     finally:
@@ -241,6 +255,15 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
                 pass
         if started_here:
             ray.shutdown()
+
+
+def _steering_dir(drafter) -> Optional[str]:
+    """The drafter's checkpoint directory when it carries SD² steering weights (the verifier needs W_hml)."""
+    from steerspec.models import resolve_model_dir
+    from steerspec.steering import has_steering
+
+    path = resolve_model_dir(str(drafter))
+    return str(path) if has_steering(path) else None
 
 
 @dataclass

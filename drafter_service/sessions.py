@@ -139,7 +139,9 @@ class Drafter:
         q_probs: List[Tensor] = []
         if self.hooks is not None:
             if session.steering is not None:
-                self.hooks.set_vector(session.steering.to(self.model.device).unsqueeze(0))
+                # first block: the drafter feeds the whole prompt; prompt[:-1] stays unsteered (as in training)
+                self.hooks.set_vector(session.steering.to(self.model.device).unsqueeze(0),
+                                      steer_prefix=session.lm.length > 0)
             else:
                 self.hooks.clear()
         try:

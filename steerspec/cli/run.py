@@ -199,7 +199,14 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     config = decode_config(args, params, verifier, drafter, tokenizer)
     prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
     if speculative:
-        result = speculative_generate(verifier, drafter, prompt_ids, config, FixedK(args.k), tokenizer=tokenizer)
+        from steerspec.models import resolve_model_dir
+        from steerspec.models.kv import cached_lm
+        from steerspec.steering.runtime import maybe_steering
+
+        drafter = cached_lm(drafter)
+        steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)  # SD² drafters
+        result = speculative_generate(verifier, drafter, prompt_ids, config, FixedK(args.k), tokenizer=tokenizer,
+                                      steering=steering)
     else:
         result = autoregressive_generate(verifier, prompt_ids, config, tokenizer=tokenizer)
     return result, tokenizer
