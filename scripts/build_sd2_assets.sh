@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Reproduce the bundled `distilled` and `sd2` drafters from the bundled verifier and pretrained
+# drafter: synthetic data (verifier at T=1) -> distillation baseline and SD², in parallel, then
+# install into steerspec/assets/models/. These are the commands and settings that produced the
+# shipped weights (about 50 minutes on 2 CPU cores). Usage: bash scripts/build_sd2_assets.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+RUNS=${RUNS:-runs/sd2}
+V=${V:-verifier}
+D=${D:-pretrained}
+SAMPLES=${SAMPLES:-1536}
+STEPS=${STEPS:-600}
+MINUTES=${MINUTES:-29}
+mkdir -p "$RUNS"
+OMP_NUM_THREADS=2 $PY -m steerspec train synth --out "$RUNS/synth" --verifier "$V" --samples "$SAMPLES" \
+  --batch-size 128 --max-new-tokens 128 --seed 0 --threads 2
+for m in distill sd2; do
+  OMP_NUM_THREADS=1 $PY -m steerspec train $m --data "$RUNS/synth" --verifier "$V" --drafter "$D" --out "$RUNS/$m" \
+    --steps "$STEPS" --batch-size 16 --lr 1e-3 --eval-every 80 --save-every 20 --max-minutes "$MINUTES" \
+    --seed 0 --threads 1 > "$RUNS/$m.log" 2>&1 &
+done
+wait
+for pair in distill:distilled sd2:sd2; do
+  src=$RUNS/${pair%%:*}; dst=steerspec/assets/models/${pair##*:}
+  mkdir -p "$dst"
+  for f in config.json model.safetensors tokenizer.json tokenizer_config.json tokenizer_meta.json \
+           steering.safetensors steering.json MODEL_CARD.md train_report.json; do
+    if [ -f "$src/$f" ]; then cp "$src/$f" "$dst/$f"; fi
+  done
+done
+du -sh steerspec/assets/models/*
