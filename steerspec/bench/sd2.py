@@ -95,13 +95,17 @@ def load_prompts(set_name: str, eval_dir: Optional[Path], limit: int) -> List[st
 def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 40) -> Dict:
     """Drafting time of one k-token block with and without the SD² steering, same drafter, same text.
 
-    Steered = begin_block (W_hml, fp16 wire round trip, W_s biases) + k hooked forward passes;
-    plain = the same k forward passes with the hooks inactive. Runs in pairs whose order alternates
-    (so load drifts hit both alike); overhead = median over pairs of steered / plain − 1.
+    Steered = what the drafter does per block: decode the fp16 vector it received, compute the
+    W_s biases, and run k steered forward passes; plain = the same k forward passes unsteered.
+    W_hml runs on the verifier (part of its verify time there), so it is timed separately as
+    `head_ms`. Runs in pairs whose order alternates (so load drifts hit both alike);
+    overhead = median over pairs of steered / plain − 1.
     """
     from steerspec.engine import DecodeConfig, draft_block, prefill
     from steerspec.models.kv import as_cached
     from steerspec.sampling import SamplingParams
+    from steerspec.steering.head import vector_from_bytes, vector_to_bytes
+    from steerspec.steering.runtime import steering_vector
 
     verifier = as_cached(verifier)
     cfg = DecodeConfig(max_new_tokens=k + 1, sampling=SamplingParams(temperature=0.0))
@@ -110,11 +114,22 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
     drafter_cached.reset()
     drafter_cached.extend(committed[:-1])
     base = drafter_cached.length
+    device = drafter_cached.device
+
+    def head_block() -> Tuple[bytes, float]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            wire = vector_to_bytes(steering_vector(steer.head, hidden))  # verifier side, as sent
+        return wire, time.perf_counter() - t0
+
+    wire, _ = head_block()
 
     def steered_block() -> Tuple[float, float]:
         drafter_cached.rollback(base)
         t0 = time.perf_counter()
-        steer.begin_block(hidden)
+        with torch.inference_mode():
+            g = vector_from_bytes(wire).to(device)
+            steer.hooks.set_vector(g.unsqueeze(0), steer_prefix=True)
         t1 = time.perf_counter()
         draft_block(drafter_cached, committed, k, cfg)
         t2 = time.perf_counter()
@@ -139,7 +154,9 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
         plain.append(p)
         begin.append(b)
         ratios.append(s / p)
+    head_ms = statistics.median(head_block()[1] for _ in range(repeats))
     return {"steered_block_ms": round(statistics.median(steered) * 1e3, 3),
+            "head_ms": round(head_ms * 1e3, 4),
             "plain_block_ms": round(statistics.median(plain) * 1e3, 3),
             "begin_block_ms": round(statistics.median(begin) * 1e3, 4),
             "overhead_pct": round(100.0 * (statistics.median(ratios) - 1.0), 2), "repeats": repeats, "k": k}
@@ -289,7 +306,7 @@ def run(args) -> int:
     for label, info in steer_info.items():
         print(f"steering ({label}): +{info['overhead_pct']:.1f}% drafting time per block "
               f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']}), "
-              f"{info['bytes_per_reply']} bytes per reply")
+              f"{info['bytes_per_reply']} bytes per reply; W_hml on the verifier {info['head_ms']:.3f} ms per reply")
     for name, t in targets.items():
         print(f"target {name}: {'PASS' if t['pass'] else 'FAIL'} ({t['detail']})")
     print(f"wrote {args.out} and {plot} ({elapsed:.0f} s)")

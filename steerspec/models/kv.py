@@ -16,7 +16,7 @@ After any rollback the next-token logits equal a fresh full forward over the kep
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +257,7 @@ class FastCachedLM(CachedLM):
             if index in want:
                 captured[index] = x[0]
             plan = self._plans[index]
-            hooked = global_hooks or _has_hooks(plan[0])
+            hooked, steering = (True, None) if global_hooks else _hook_state(plan[0])
             bias = None if up_bias is None else up_bias[index]
             if hooked:
                 attn = layer.self_attn
@@ -297,6 +297,13 @@ class FastCachedLM(CachedLM):
                 up = linear(h, *plan[10])
                 if bias is not None:
                     up = up + bias
+                if steering is not None:  # SD² hooks on up_proj, applied here instead of through the module
+                    add, last_only = steering.fast_up_bias(index)
+                    if add is not None:
+                        if last_only and n > 1:
+                            up[:, -1:] += add
+                        else:
+                            up = up + add
                 x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
         self.length = end
         if logits_to_keep:
@@ -323,11 +330,24 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def _has_hooks(modules) -> bool:
+def _hook_state(modules) -> Tuple[bool, object]:
+    """(must run through the modules, SD² steering to apply on the fast path).
+
+    Hooks tagged `steerspec_steering` (steerspec.steering.SteeringHooks on up_proj) do not force
+    the slow path: their per-block bias is added directly. Any other hook does.
+    """
+    steering = None
     for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-            return True
-    return False
+        if m._forward_pre_hooks or "forward" in m.__dict__:
+            return True, None
+        for hook in m._forward_hooks.values():
+            owner = getattr(hook, "steerspec_steering", None)
+            if owner is None or (steering is not None and owner is not steering):
+                return True, None
+            steering = owner
+    if steering is not None and not steering.fast_path_ok():
+        return True, None
+    return False, steering
 
 
 def _has_global_hooks() -> bool:

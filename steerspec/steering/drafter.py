@@ -127,7 +127,21 @@ class SteeringHooks:
                     )
             return output + add.to(output.dtype)
 
+        hook.steerspec_steering = self  # lets FastCachedLM apply the bias itself and keep its fast path
         return hook
+
+    def fast_path_ok(self) -> bool:
+        """True when the bias is one per block ([B, L, F]), which `fast_up_bias` can hand out."""
+        return self._bias is None or self._bias.dim() == 3
+
+    def fast_up_bias(self, layer: int) -> Tuple[Optional[Tensor], bool]:
+        """(bias [B, 1, F] or None, last position only) for `layer`, exactly as the hook would add it."""
+        if self._bias is None:
+            return None, False
+        last_only = self._last_only
+        if last_only and layer == self._num_layers - 1:
+            self._last_only = False
+        return self._per_layer[layer], last_only
 
     def set_vector(self, g: Optional[Tensor], mask: Optional[Tensor] = None, *, steer_prefix: bool = True) -> None:
         """Steer with g [B, d_V] (one per row, for the whole block) or g [B, T, d_V] (per position).

@@ -1,0 +1,37 @@
+"""SD² hooks keep FastCachedLM on its fast path, with logits identical to the transformers module path."""
+
+import torch
+
+from steerspec.models import load_model, resolve_model_dir
+from steerspec.models.kv import CachedLM, FastCachedLM, _hook_state
+from steerspec.steering import attach_steering, load_steering
+
+
+def test_steered_fast_path_equals_module_path_and_stays_fast():
+    directory = resolve_model_dir("sd2")
+    model = load_model(directory)
+    weights = load_steering(directory)
+    hooks = attach_steering(model, weights.drafter)
+    try:
+        torch.manual_seed(0)
+        g = torch.randn(1, weights.config.verifier_hidden_size)
+        prompt = torch.randint(1, model.config.vocab_size, (12,)).tolist()
+        outputs = {}
+        for cls in (CachedLM, FastCachedLM):
+            lm = cls(model)
+            with torch.inference_mode():
+                hooks.set_vector(g, steer_prefix=False)  # first block: prompt[:-1] stays unsteered
+                first = lm.extend(prompt, logits_to_keep=3).logits.clone()
+                one = lm.extend([5], logits_to_keep=1).logits.clone()
+                hooks.set_vector(0.5 * g, steer_prefix=True)  # a later block
+                later = lm.extend([7, 9, 11], logits_to_keep=3).logits.clone()
+                hooks.clear()
+                plain = lm.extend([13], logits_to_keep=1).logits.clone()
+            outputs[cls.__name__] = (first, one, later, plain)
+        for slow, fast in zip(outputs["CachedLM"], outputs["FastCachedLM"]):
+            assert torch.equal(slow, fast)
+        fast_lm = FastCachedLM(model)
+        assert all(_hook_state(plan[0]) == (False, hooks) for plan in fast_lm._plans)
+    finally:
+        hooks.remove()
+    assert all(_hook_state(plan[0]) == (False, None) for plan in FastCachedLM(model)._plans)
