@@ -75,7 +75,7 @@ class Stream:
         try:
             await self.call.write(message)
         except grpc.aio.AioRpcError as exc:
-            raise self._lost(exc) from None
+            raise self._lost(await self._final(exc)) from None
         except asyncio.InvalidStateError:  # the RPC already ended: say why
             raise await self._ended() from None
 
@@ -83,7 +83,7 @@ class Stream:
         try:
             message = await self.call.read()
         except grpc.aio.AioRpcError as exc:
-            raise self._lost(exc) from None
+            raise self._lost(await self._final(exc)) from None
         if message is grpc.aio.EOF:
             raise await self._ended()
         return message
@@ -96,6 +96,23 @@ class Stream:
         if code in (grpc.StatusCode.OK, None) or code in FAILOVER_CODES:
             return ReplicaLost(self.kind, self.address, f"stream ended early ({code.name if code else '?'}: {details})")
         return SessionError(code, f"{self.kind} {self.address}: {details}")
+
+    async def _final(self, exc: grpc.aio.AioRpcError, wait_s: float = 1.0) -> grpc.aio.AioRpcError:
+        """The call's own terminal status when grpc reports a write/read racing its end as INTERNAL.
+
+        A deadline or cancellation that lands during a write can surface as "Internal error from
+        Core"; the call itself then ends with the real status (e.g. DEADLINE_EXCEEDED).
+        """
+        if exc.code() != grpc.StatusCode.INTERNAL:
+            return exc
+        try:
+            code = await asyncio.wait_for(self.call.code(), wait_s)
+            details = await asyncio.wait_for(self.call.details(), wait_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return exc
+        if code in (None, grpc.StatusCode.OK, grpc.StatusCode.INTERNAL):
+            return exc
+        return grpc.aio.AioRpcError(code, exc.initial_metadata(), exc.trailing_metadata(), details=details)
 
     def _lost(self, exc: grpc.aio.AioRpcError) -> Exception:
         self.broken = True
