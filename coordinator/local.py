@@ -87,9 +87,9 @@ class LocalCluster:
                         if self.drafters and isinstance(self.drafter, (str, os.PathLike)) else None)
         head = None
         if steering_dir is not None:  # an SD² drafter: the verifier runs its W_hml
-            from steerspec.steering import load_steering_head
+            from verifier_service.cli import load_head
 
-            head = load_steering_head(steering_dir, device=verifier_model.device)
+            head = load_head(steering_dir, verifier_model.device)
         for i in range(self.verifiers):
             config = VerifierConfig(replica=f"local-verifier-{i}", model_name=str(self.verifier),
                                     **self.verifier_options)
@@ -100,12 +100,12 @@ class LocalCluster:
         if self.drafters:
             from drafter_service.server import DrafterConfig, serve as serve_drafter
 
-            drafter_model = _load(self.drafter, self.dtype, self.device)
-            hooks = None
-            if steering_dir is not None:
-                from steerspec.steering import attach_steering, load_steering
+            if steering_dir is not None:  # the drafter's own loader attaches its W_s hooks
+                from drafter_service.cli import load_drafter
 
-                hooks = attach_steering(drafter_model, load_steering(steering_dir, device=drafter_model.device).drafter)
+                drafter_model, hooks = load_drafter(steering_dir, self.dtype, self.device, steering=steering_dir)
+            else:
+                drafter_model, hooks = _load(self.drafter, self.dtype, self.device), None
             for i in range(self.drafters):
                 config = DrafterConfig(model_name=str(self.drafter), **self.drafter_options)
                 running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)
