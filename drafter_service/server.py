@@ -1,6 +1,6 @@
 """The drafter gRPC service: one bidirectional Draft stream per session.
 
-Stream protocol (proto/steerspec/v1/drafter.proto, CONTRACT.md):
+Stream protocol (proto/steerspec/v1/drafter.proto; decoding protocol: steerspec/engine.py):
   DraftOpen -> DraftBlock seq 1 (drafted after the prompt, steered by DraftOpen.steering)
   DraftFeedback(result, want_block) -> roll back to the committed length, take the result's
       steering vector, draft the next block (seq + 1); want_block=false only rolls back

@@ -1,7 +1,8 @@
 """Drafter sessions: the committed sequence, a KV cache (CachedLM), a draft-length policy, steering.
 
-Drafting follows the decoding protocol (CONTRACT.md): feed committed[cache_len:] (ends with the
-pending token) -> q_1, sample d_1, feed d_1 -> q_2, ... d_k. Greedy takes argmaxes; sampling
+Drafting is `steerspec.engine.draft_block` (the decoding protocol of steerspec/engine.py): feed
+committed[cache_len:] (ends with the pending token) -> q_1, sample d_1, feed d_1 -> q_2, ... d_k.
+Greedy takes argmaxes; sampling
 draws from the wire distribution `fp16_roundtrip(truncate_top_k(probs, draft_top_k))`, exactly
 what the verifier decodes, so speculative sampling stays exact across the network.
 """
@@ -22,8 +23,9 @@ from torch import Tensor
 from steerspec.models.kv import CachedLM, cached_lm
 from steerspec.policies.base import PolicyBase
 from steerspec.policies.fixed import FixedK
-from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits, sample_sparse, truncate_top_k
-from steerspec.wire import ProtocolError, fp16_roundtrip, invalid
+from steerspec.engine import DecodeConfig, draft_block
+from steerspec.sampling import SamplingParams, SparseDist
+from steerspec.wire import ProtocolError, invalid
 
 
 def resolve_policy(name: str, k: int):
@@ -130,13 +132,9 @@ class Drafter:
 
     @torch.inference_mode()
     def draft(self, session: DrafterSession) -> DraftOutput:
+        """Propose the session's next block with the engine's `draft_block` (steered when SD² is on)."""
         start = time.perf_counter()
         k = self.block_length(session)
-        lm, params, policy = session.lm, session.params, session.policy
-        stops_early = bool(getattr(policy, "stops_early", False))
-        tokens: List[int] = []
-        q_ids: List[Tensor] = []
-        q_probs: List[Tensor] = []
         if self.hooks is not None:
             if session.steering is not None:
                 # first block: the drafter feeds the whole prompt; prompt[:-1] stays unsteered (as in training)
@@ -145,30 +143,15 @@ class Drafter:
             else:
                 self.hooks.clear()
         try:
-            feed: object = session.committed[lm.length:]
-            for i in range(k):
-                logits = lm.extend(feed, logits_to_keep=1).logits  # [1, V]
-                if session.greedy:
-                    token = logits.argmax(-1)
-                    probs = logits.softmax(-1)[0] if stops_early else None
-                else:
-                    full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-                    dist = fp16_roundtrip(truncate_top_k(full, session.draft_top_k))
-                    token = sample_sparse(dist, session.generator)
-                    q_ids.append(dist.ids[0])
-                    q_probs.append(dist.probs[0])
-                    probs = full[0]
-                tokens.append(int(token))
-                if stops_early and i + 1 < k and policy.should_stop(probs, i):
-                    break
-                feed = token
+            config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
+            block = draft_block(session.lm, session.committed, k, config, session.generator, session.policy)
         finally:
             if self.hooks is not None:
                 self.hooks.clear()
-        q = SparseDist(ids=torch.stack(q_ids), probs=torch.stack(q_probs)) if q_ids else None
+        q = None if block.q is None else SparseDist(ids=block.q.ids[0], probs=block.q.probs[0])
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        return DraftOutput(draft_ids=tokens, q=q, draft_ms=(time.perf_counter() - start) * 1e3)
+        return DraftOutput(draft_ids=block.tokens[0].tolist(), q=q, draft_ms=(time.perf_counter() - start) * 1e3)
 
     def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,
                        steering: Optional[Tensor]) -> None:

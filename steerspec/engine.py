@@ -1,6 +1,6 @@
 """The in-process speculative-decoding engine: a few plain functions (gpt-fast style).
 
-Protocol (CONTRACT.md, identical in-process and over gRPC). The committed sequence is
+Protocol (identical in-process and over gRPC). The committed sequence is
 x_1..x_n; the last committed token x_n is *pending*: neither KV cache holds it yet.
 
 - `prefill`: the verifier feeds prompt[:-1]; its hidden states at the last fed position seed

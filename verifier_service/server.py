@@ -1,6 +1,6 @@
 """The verifier gRPC service: one bidirectional Verify stream per session, blocks batched.
 
-Stream protocol (proto/steerspec/v1/verifier.proto, CONTRACT.md):
+Stream protocol (proto/steerspec/v1/verifier.proto; decoding protocol: steerspec/engine.py):
   VerifyOpen -> VerifyReady (prefill of prompt[:-1]; steering for block 1 when asked)
   DraftBlock -> VerifyResult, or StreamError (the session is left unchanged; fix and resend)
   VerifyClose / stream end / cancel / deadline -> the session's cache is freed at once.

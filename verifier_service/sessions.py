@@ -1,7 +1,7 @@
 """Verifier sessions: one per Verify stream, each with its own KV cache (a CachedLM) and limits.
 
 A session's committed sequence has `committed` tokens; the last one (`pending`) is not in the
-cache, so the cache always holds `committed - 1` tokens between blocks (CONTRACT.md protocol).
+cache, so the cache always holds `committed - 1` tokens between blocks (the protocol in steerspec/engine.py).
 """
 
 from __future__ import annotations
