@@ -16,12 +16,12 @@ the registry, the session is re-placed and both streams are reopened from the co
 replaced by another, or by verifier-only decoding when none is left.
 
 Per block it records rtt_ms (verifier send → result, emulated link included), draft_ms (asking
-the drafter → its block arriving: drafter compute and queueing plus the local hop;
-draft_compute_ms is the drafter's own compute report), network_ms (emulated delay actually spent),
-queue_ms and verify_ms (the verifier's own report), overhead_ms (the rest of the block's cycle,
-which runs from asking for the draft to feeding the result back: the verifier hop's gRPC and
-protobuf cost and the coordinator's own work) and bytes_up / bytes_down (serialized sizes of the
-block and the result).
+the drafter → its block arriving: the local hop both ways (the feedback or open going out, the
+block coming back) plus drafter compute and queueing; draft_compute_ms is the drafter's own compute
+report), network_ms (emulated delay actually spent), queue_ms and verify_ms (the verifier's own
+report), overhead_ms (the rest of the block's cycle, which runs from asking for the draft to the
+result being committed: the verifier hop's gRPC and protobuf cost and the coordinator's own work)
+and bytes_up / bytes_down (serialized sizes of the block and the result).
 """
 
 from __future__ import annotations
@@ -303,8 +303,8 @@ class SessionLoop:
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             try:
-                await stream.write(drafter_pb2.DraftRequest(open=opening))
                 self._draft_asked = time.perf_counter()
+                await stream.write(drafter_pb2.DraftRequest(open=opening))
             except ReplicaLost as lost:
                 stream.abort()
                 await self._replica_lost(lost)
@@ -419,20 +419,21 @@ class SessionLoop:
                 self.generated.extend(new)
                 if result.HasField("steering"):
                     self.steering = result.steering
+                store.append_tokens(self.req.session_id, new)
+                committed_at = time.perf_counter()  # the block's cycle ends; asking for the next one starts
                 if self.use_drafter and self._drafter_ok:
                     result.seq = block.seq  # hand the drafter back its own numbering
+                    self._draft_asked = committed_at
                     try:
                         await self.drafter.write(drafter_pb2.DraftRequest(
                             feedback=drafter_pb2.DraftFeedback(result=result, want_block=not finish)))
-                        self._draft_asked = time.perf_counter()
                     except ReplicaLost as lost:
                         await self._replica_lost(lost)
                         self._drafter_ok = False  # reopened from the committed prefix before the next block
-                store.append_tokens(self.req.session_id, new)
                 stats = BlockStats(
                     seq=self.result.rounds, drafted=drafted, accepted=accepted, committed=len(new), rtt_ms=rtt_ms,
                     draft_ms=draft_wait_ms, draft_compute_ms=float(block.draft_ms), network_ms=network_ms, queue_ms=float(result.queue_ms),
-                    verify_ms=float(result.verify_ms), cycle_ms=(time.perf_counter() - cycle_start) * 1000.0,
+                    verify_ms=float(result.verify_ms), cycle_ms=(committed_at - cycle_start) * 1000.0,
                     bytes_up=bytes_up, bytes_down=bytes_down, batch_size=int(result.batch_size),
                     verifier=self.verifier.address)
                 self._record(stats)

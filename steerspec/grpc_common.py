@@ -109,3 +109,25 @@ async def serve_until_signal(running: RunningServer, grace: float = 5.0) -> None
         await running.stop(grace)
     for task in (waiter, stopper):
         task.cancel()
+
+
+class IdleTimeout(Exception):
+    """No request arrived on a session stream within its idle timeout."""
+
+
+async def read_request(context, timeout_s: Optional[float]):
+    """The next request of a bidirectional stream, or None at its end; IdleTimeout after `timeout_s`.
+
+    `asyncio.timeout` (3.11+) arms a timer on the running task instead of wrapping each read in a
+    new task as `wait_for` does: one hop of a session costs fewer event-loop turns."""
+    try:
+        if timeout_s is None:
+            request = await context.read()
+        elif hasattr(asyncio, "timeout"):
+            async with asyncio.timeout(timeout_s):
+                request = await context.read()
+        else:  # Python 3.10
+            request = await asyncio.wait_for(context.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise IdleTimeout(f"no request for {timeout_s:g}s") from None
+    return None if request is grpc.aio.EOF else request

@@ -24,6 +24,7 @@ from steerspec import wire
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from steerspec.grpc_common import IdleTimeout, read_request
 from steerspec.wire import ProtocolError, code_number
 from verifier_service.batcher import Batcher, VerifyJob, VerifyRunner
 from verifier_service.sessions import SessionTable, VerifierSession
@@ -146,16 +147,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         """The next request, or None at stream end; aborts idle sessions after --idle-timeout-s."""
         timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
         try:
-            request = await asyncio.wait_for(context.read(), timeout)
-        except asyncio.TimeoutError:
+            return await read_request(context, timeout)
+        except IdleTimeout:
             if session is not None:
                 self.table.close(session)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
                                 "its cache was freed: reopen with the committed prefix to resume")
-        if request is grpc.aio.EOF:
-            return None
-        return request
 
     async def _open(self, msg: verifier_pb2.VerifyOpen):
         prompt = wire.ids_array(msg.prompt_ids)
