@@ -141,12 +141,12 @@ def test_cli_writes_a_loadable_steered_checkpoint(tmp_path):
     assert model.dtype == torch.float32
 
 
-def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
+def _bench_inputs(tmp_path, tiny_pair):
+    """(verifier dir, pretrained dir, SD² dir with a random W_s, eval dir, verifier config) for `bench sd2`."""
     import json
 
     from transformers import AutoModelForCausalLM
 
-    from steerspec.cli import main
     from steerspec.steering import default_layers, save_drafter_checkpoint
 
     verifier_dir, drafter_dir = tiny_pair
@@ -162,10 +162,19 @@ def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
     for name in ("indist", "tests", "docs"):
         rows = [{"id": f"{name}-{i}", "prompt": p, "source": "t"} for i, p in enumerate(["def fibonacci(n):", "class Queue:"])]
         (evals / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return verifier_dir, drafter_dir, sd2_dir, evals, vcfg
+
+
+def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
+    import json
+
+    from steerspec.cli import main
+
+    verifier_dir, drafter_dir, sd2_dir, evals, vcfg = _bench_inputs(tmp_path, tiny_pair)
     out = tmp_path / "bench.json"
     argv = ["bench", "sd2", "--verifier", str(verifier_dir), "--drafters",
             f"pretrained={drafter_dir},distilled={drafter_dir},sd2={sd2_dir}", "--eval-dir", str(evals),
-            "--limit", "2", "--max-new-tokens", "6", "--seeds", "0,1", "--k", "4", "--out", str(out)]
+            "--limit", "2", "--max-new-tokens", "6", "--seeds", "0,1", "--k", "4", "--out", str(out), "--no-services"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     row = report["results"]["indist"]["sd2"]
@@ -174,3 +183,41 @@ def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
     assert report["steering"]["sd2"]["bytes_per_reply"] == 2 * vcfg["hidden_size"]
     assert {"indist_sd2_vs_pretrained_ge_30pct", "steering_overhead_le_5pct"} <= set(report["targets"])
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert "tau_services" not in row and report["config"]["services"] is None  # --no-services
+
+
+def test_bench_sd2_services_column(tmp_path, tiny_pair, capsys):
+    """The services measurement (LocalCluster over an emulated link) on a drafter subset: keys, τ, speedup, bytes."""
+    import json
+
+    from steerspec.cli import main
+
+    verifier_dir, drafter_dir, sd2_dir, evals, vcfg = _bench_inputs(tmp_path, tiny_pair)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "sd2", "--verifier", str(verifier_dir), "--drafters", f"pretrained={drafter_dir},sd2={sd2_dir}",
+            "--eval-dir", str(evals), "--sets", "indist", "--limit", "2", "--max-new-tokens", "8", "--seeds", "0",
+            "--k", "4", "--no-greedy", "--services-rtt-ms", "2", "--services-prompts", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]["indist"]
+    for label in ("pretrained", "sd2"):
+        r = rows[label]
+        assert r["tokens_per_s_services"] > 0 and r["tau_services"] >= 1.0 and r["services"]["sessions"] == 1
+        assert r["services"]["rtt_ms"] >= 2.0  # the emulated link was in the path
+    assert rows["pretrained"]["speedup_services"] == 1.0 and rows["sd2"]["speedup_services"] > 0
+    assert rows["sd2"]["services"]["steering"] and not rows["pretrained"]["services"]["steering"]
+    down = {label: rows[label]["bytes_down_per_block_services"] for label in rows}
+    assert down["sd2"] > down["pretrained"] and down["sd2"] >= 2 * vcfg["hidden_size"]  # the fp16 steering vector
+    services = report["config"]["services"]
+    assert services["rtt_ms"] == 2.0 and services["prompts_per_set"] == {"indist": 1}
+    assert report["config"]["transport"] == "inproc" and report["services_elapsed_s"] is not None
+    assert "svc tok/s" in capsys.readouterr().out
+
+
+def test_bench_sd2_rejects_bad_services_flags(capsys):
+    from steerspec.cli import main
+
+    for flags in (["--services-rtt-ms", "-5"], ["--services-rtt-ms", "inf"], ["--services-prompts", "0"]):
+        assert main(["bench", "sd2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and flags[0] in err

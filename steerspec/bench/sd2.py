@@ -6,17 +6,23 @@ tokens/s over the first drafter (the pretrained one) measured in the same run; g
 interleaved prompt by prompt so machine load hits every drafter alike. Also reported: accepted
 tokens per block (τ − 1) and their gains, drafting time per block, what the steering adds to it
 (a controlled measurement on the SD² drafter with and without its steering), and the steering
-bytes per verify reply. Prints a table, writes JSON and a bar chart (PNG) of accepted tokens per
+bytes per verify reply. Then the same drafters through the services (verifier, drafter and
+coordinator servers in this process, `coordinator.local.LocalCluster`) over an emulated link
+(`--services-rtt-ms`, default 50 ms): tokens/s, τ, speedup over the first drafter and bytes per
+verify reply on the first `--services-prompts` prompts of each set at T=1 with the first seed;
+`--no-services` skips it. Prints a table, writes JSON and a bar chart (PNG) of accepted tokens per
 block.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import statistics
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -27,6 +33,8 @@ from steerspec.errors import UsageError
 
 DEFAULT_DRAFTERS = "pretrained,distilled,sd2"
 DEFAULT_SETS = "indist,tests,docs"
+DEFAULT_SERVICES_RTT_MS = 50.0
+DEFAULT_SERVICES_PROMPTS = 4
 
 
 @dataclass
@@ -177,6 +185,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_sd2.json"), help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help="PNG bar chart (default: OUT with .png)")
+    parser.add_argument("--services-rtt-ms", type=float, default=DEFAULT_SERVICES_RTT_MS,
+                        help="emulated coordinator-verifier round trip of the services measurement")
+    parser.add_argument("--services-prompts", type=int, default=DEFAULT_SERVICES_PROMPTS,
+                        help="prompts per set through the services (the first ones, at most --limit; T=1, first seed)")
+    parser.add_argument("--no-services", action="store_true", help="skip the measurement through the services")
+
+
+def validate_services(args) -> None:
+    """Reject bad services flags before any model loads (a UsageError: one line, exit status 2)."""
+    rtt = args.services_rtt_ms
+    if not (math.isfinite(rtt) and rtt >= 0.0):
+        raise UsageError(f"--services-rtt-ms must be a finite number >= 0, got {rtt}")
+    if args.services_prompts < 1:
+        raise UsageError(f"--services-prompts must be >= 1 (--no-services skips them), got {args.services_prompts}")
+
+
+def _prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt `index` in seed `seed`'s run, the same in-process and through the services."""
+    return seed * 100_003 + index
+
+
+async def _open_clusters(stack: AsyncExitStack, verifier_model, dirs: Dict[str, Path], rtt_ms: float,
+                         eos: Sequence[int]) -> Dict[str, object]:
+    """One LocalCluster per drafter (sharing the verifier weights), all open at once so prompts can interleave.
+
+    LocalCluster loads the drafter from its directory, so an SD² one gets its W_s hooks and the
+    verifier its W_hml head.
+    """
+    from coordinator.local import LocalCluster
+    from steerspec.linkemu import LinkModel
+
+    link = LinkModel(rtt_ms=rtt_ms).validate()
+    return {label: await stack.enter_async_context(
+                LocalCluster(verifier=verifier_model, drafter=str(ddir), link=link, tokenizer=None, eos_ids=list(eos)))
+            for label, ddir in dirs.items()}
+
+
+async def _services_generate(cluster, ids: Sequence[int], args, seed: int, steering: bool,
+                             max_new_tokens: Optional[int] = None):
+    """One T=1 generation through the cluster's coordinator with the bench's k and draft-top-k."""
+    return await cluster.generate(ids, max_new_tokens=max_new_tokens or args.max_new_tokens, temperature=1.0,
+                                  seed=seed, k=args.k, draft_top_k=args.draft_top_k, steering=steering, timeout=600)
+
+
+async def measure_services(verifier_model, dirs: Dict[str, Path], prompts: Dict[str, List[List[int]]],
+                           sets: List[str], args, eos: Sequence[int], seed: int) -> Dict[str, Dict[str, Dict]]:
+    """{set: {drafter: summarize_runs(...)}} of the first --services-prompts prompts through the services.
+
+    Every cluster is warmed up with one generation first; then prompt by prompt, drafter by
+    drafter (interleaved like the in-process runs), T=1, seed `seed`, steering only where the
+    drafter carries SD² weights.
+    """
+    from tqdm.auto import tqdm
+
+    from steerspec.bench.remote import summarize_runs
+    from steerspec.steering import has_steering
+
+    steered = {label: has_steering(ddir) for label, ddir in dirs.items()}
+    chosen = {s: prompts[s][:args.services_prompts] for s in sets}
+    runs: Dict[str, Dict[str, list]] = {s: {label: [] for label in dirs} for s in sets}
+    warm_ids = next(p[0] for p in chosen.values() if p)
+    async with AsyncExitStack() as stack:
+        clusters = await _open_clusters(stack, verifier_model, dirs, args.services_rtt_ms, eos)
+        for label, cluster in clusters.items():  # warm-up: one block, not timed
+            await _services_generate(cluster, warm_ids, args, seed, steered[label],
+                                     max_new_tokens=min(args.max_new_tokens, args.k + 1))
+        bar = tqdm(total=sum(map(len, chosen.values())) * len(clusters), desc="bench sd2 (services)", mininterval=5.0)
+        for s in sets:
+            for i, ids in enumerate(chosen[s]):
+                for label, cluster in clusters.items():
+                    result = await _services_generate(cluster, ids, args, _prompt_seed(seed, i), steered[label])
+                    runs[s][label].append(result)
+                    bar.update(1)
+        bar.close()
+    return {s: {label: dict(summarize_runs(r), steering=steered[label]) for label, r in by.items()}
+            for s, by in runs.items()}
+
+
+def add_services(results: Dict, measured: Dict[str, Dict[str, Dict]], base: str) -> None:
+    """Copy each services measurement into its result row, with the speedup over the baseline drafter's."""
+    for set_name, by_label in measured.items():
+        ref = by_label[base]["tokens_per_s"]
+        for label, m in by_label.items():
+            results[set_name][label].update(
+                tokens_per_s_services=m["tokens_per_s"], tau_services=m["block_efficiency"],
+                speedup_services=m["tokens_per_s"] / ref if ref and m["tokens_per_s"] else None,
+                bytes_down_per_block_services=m.get("bytes_down"), bytes_up_per_block_services=m.get("bytes_up"),
+                services=m)
 
 
 def run(args) -> int:
@@ -187,6 +283,7 @@ def run(args) -> int:
     from steerspec.sampling import SamplingParams
     from steerspec.steering.runtime import maybe_steering
 
+    validate_services(args)
     torch.set_num_threads(max(1, args.threads))
     drafter_specs, sets = _names(args.drafters), _names(args.sets)
     try:
@@ -200,7 +297,7 @@ def run(args) -> int:
     vdir = resolve_model_dir(args.verifier)
     verifier = CachedLM(load_model(vdir))
     tok = load_tokenizer(vdir)
-    drafters = {}
+    drafters, dirs = {}, {}
     for spec in drafter_specs:
         label, _, path = spec.rpartition("=")
         ddir = resolve_model_dir(path)
@@ -209,6 +306,7 @@ def run(args) -> int:
             raise UsageError(f"drafter {label!r} given twice")
         cached = CachedLM(load_model(ddir))
         drafters[label] = (cached, maybe_steering(cached, ddir))
+        dirs[label] = ddir
     labels = list(drafters)
     base = labels[0]
     eos = eos_token_ids(verifier.model, tok)
@@ -228,7 +326,7 @@ def run(args) -> int:
             temperature = 1.0 if mode == "T1" else 0.0
             for i, ids in enumerate(prompts[set_name]):
                 cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=temperature),
-                                   draft_top_k=args.draft_top_k, seed=None if seed is None else seed * 100_003 + i,
+                                   draft_top_k=args.draft_top_k, seed=None if seed is None else _prompt_seed(seed, i),
                                    eos_token_ids=eos, max_length=max_len)
                 for label in labels:
                     cached, steer = drafters[label]
@@ -276,6 +374,12 @@ def run(args) -> int:
             if "tau_t0" in row:
                 row["speedup_t0"] = row["tokens_per_s_t0"] / ref["tokens_per_s_t0"] if ref["tokens_per_s_t0"] else None
 
+    services_started = time.time()
+    if not args.no_services:
+        measured = asyncio.run(measure_services(verifier.model, dirs, prompts, sets, args, eos, seeds[0]))
+        add_services(results, measured, base)
+    services_elapsed = time.time() - services_started
+
     steer_info = {}
     for label in labels:
         cached, steer = drafters[label]
@@ -292,8 +396,10 @@ def run(args) -> int:
         "config": {"verifier": str(vdir), "drafters": labels, "sets": sets, "seeds": seeds, "k": args.k,
                    "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
                    "prompts_per_set": {s: len(p) for s, p in prompts.items()}, "threads": args.threads,
-                   "transport": "inproc", "std": "sample std over seeds (ddof=1)"},
+                   "transport": "inproc", "std": "sample std over seeds (ddof=1)",
+                   "services": None if args.no_services else services_config(args, prompts, seeds[0])},
         "elapsed_s": round(elapsed, 1),
+        "services_elapsed_s": None if args.no_services else round(services_elapsed, 1),
         "results": results,
         "steering": steer_info,
         "targets": targets,
@@ -303,14 +409,33 @@ def run(args) -> int:
     plot = args.plot or args.out.with_suffix(".png")
     make_chart(results, labels, sets, plot, k=args.k)
     print(format_table(results, labels, sets))
+    if not args.no_services:
+        print(services_note(args, prompts, seeds[0]))
     for label, info in steer_info.items():
         print(f"steering ({label}): +{info['overhead_pct']:.1f}% drafting time per block "
               f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']}), "
               f"{info['bytes_per_reply']} bytes per reply; W_hml on the verifier {info['head_ms']:.3f} ms per reply")
     for name, t in targets.items():
         print(f"target {name}: {'PASS' if t['pass'] else 'FAIL'} ({t['detail']})")
-    print(f"wrote {args.out} and {plot} ({elapsed:.0f} s)")
+    extra = "" if args.no_services else f" + {services_elapsed:.0f} s through the services"
+    print(f"wrote {args.out} and {plot} ({elapsed:.0f} s{extra})")
     return 0
+
+
+def services_config(args, prompts: Dict[str, List[List[int]]], seed: int) -> Dict:
+    """The JSON record of how the services columns were measured."""
+    return {"transport": "grpc (LocalCluster: verifier, drafter, coordinator servers in this process)",
+            "rtt_ms": args.services_rtt_ms, "temperature": 1.0, "seed": seed, "k": args.k,
+            "draft_top_k": args.draft_top_k, "max_new_tokens": args.max_new_tokens,
+            "prompts_per_set": {s: min(len(p), args.services_prompts) for s, p in prompts.items()},
+            "warm_up": "one untimed generation per cluster", "steering": "requested for SD² drafters only"}
+
+
+def services_note(args, prompts: Dict[str, List[List[int]]], seed: int) -> str:
+    """The line under the table saying what the svc columns are."""
+    n = min(min(len(p), args.services_prompts) for p in prompts.values())
+    return (f"svc: through the services at an emulated RTT of {args.services_rtt_ms:g} ms, k={args.k}, T=1, "
+            f"seed {seed}, first {n} prompt(s) per set; B↓/blk = mean bytes per verify reply")
 
 
 def check_targets(results: Dict, labels: List[str], steer_info: Dict) -> Dict:
@@ -344,8 +469,24 @@ def check_targets(results: Dict, labels: List[str], steer_info: Dict) -> Dict:
     return out
 
 
+def _cell(value, digits: int, width: int) -> str:
+    """A right-aligned number, or '-' when it was not measured."""
+    text = "-" if value is None else f"{value:.{digits}f}"
+    return text.rjust(width)
+
+
+def _services_cells(r: Dict) -> str:
+    """The services columns of one row: tokens/s, τ, speedup, bytes per verify reply."""
+    return (f" {_cell(r.get('tokens_per_s_services'), 1, 9)} {_cell(r.get('tau_services'), 3, 6)} "
+            f"{_cell(r.get('speedup_services'), 2, 7)} {_cell(r.get('bytes_down_per_block_services'), 0, 7)}")
+
+
 def format_table(results: Dict, labels: List[str], sets: List[str]) -> str:
+    """The Table 1 rows, one per (set, drafter); the svc columns appear when the services were measured."""
+    services = any("tau_services" in results[s][d] for s in sets for d in labels)
     head = f"{'set':8} {'drafter':11} {'τ (T=1)':>15} {'acc/blk':>8} {'speedup':>8} {'τ (T=0)':>8} {'speedup':>8} {'draft ms/blk':>12}"
+    if services:
+        head += f" {'svc tok/s':>9} {'svc τ':>6} {'svc spd':>7} {'B↓/blk':>7}"
     lines = [head, "-" * len(head)]
     for s in sets:
         for label in labels:
@@ -354,7 +495,7 @@ def format_table(results: Dict, labels: List[str], sets: List[str]) -> str:
             s0 = f"{r['speedup_t0']:.2f}" if r.get("speedup_t0") is not None else "-"
             lines.append(f"{s:8} {label:11} {r['tau_t1_mean']:8.3f} ± {r['tau_t1_std']:.3f} "
                          f"{r['accepted_per_block_t1']:8.3f} {r['speedup_t1']:8.2f} {t0:>8} {s0:>8} "
-                         f"{r['draft_ms_per_block_t1']:12.2f}")
+                         f"{r['draft_ms_per_block_t1']:12.2f}" + (_services_cells(r) if services else ""))
     return "\n".join(lines)
 
 
