@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or a checkpoint directory")
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions served at once")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0, help="expire sessions idle this long (0 = never)")
+    parser.add_argument("--draft-batch-window-ms", type=float, default=1.0,
+                        help="how long a draft request waits for other sessions' to draft them together in one "
+                             "batched pass per step (ends early once every active session has asked; 0 = no wait)")
     parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -58,7 +61,7 @@ async def _main(args) -> int:
         instrument_grpc()
     model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
-                           model_name=str(args.model))
+                           model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms)
     running, _ = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
                              max_message_bytes=int(args.max_message_mb * 2**20))
     steer = "with SD² steering" if hooks is not None else "without steering"
@@ -70,6 +73,8 @@ async def _main(args) -> int:
 def run(args) -> int:
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
+    if not args.draft_batch_window_ms >= 0:
+        raise UsageError(f"--draft-batch-window-ms must be >= 0, got {args.draft_batch_window_ms}")
     if args.threads > 0:
         import torch
 

@@ -7,6 +7,8 @@ Stream protocol (proto/steerspec/v1/drafter.proto; decoding protocol: steerspec/
   DraftClose / stream end / cancel / deadline -> the session's cache is freed at once.
 A bad feedback gets an in-stream StreamError and changes nothing; an invalid open (or a first
 message that is not an open) aborts the stream with a status code.
+Blocks of sessions that ask at about the same time are drafted together (drafter_service/batcher.py,
+--draft-batch-window-ms); `batcher.batches` / `batcher.batched_blocks` count them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,9 @@ from steerspec import wire
 from steerspec.policies.base import MAX_K
 from steerspec.sampling import MAX_DRAFT_TOP_K
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from steerspec.grpc_common import IdleTimeout, read_request
 from steerspec.wire import ProtocolError, code_number
+from drafter_service.batcher import DraftBatcher
 from drafter_service.sessions import Drafter, DrafterSession, DrafterSessionTable, Proposal, resolve_policy
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class DrafterConfig:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     model_name: str = ""
+    batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.DraftResponse:
@@ -51,8 +55,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.drafter = Drafter(model, hooks)
         self.vocab_size = self.drafter.vocab_size
         self.table = DrafterSessionTable(model, config.max_sessions)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-        self._busy = 0
+        self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
+                                    max_batch=config.max_sessions)
         self._tracing = None
         self._tracer = None
         try:
@@ -65,7 +69,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def close(self) -> None:
         for session in list(self.table.sessions.values()):
             self.table.close(session)
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.batcher.close()
 
     def stats(self) -> common_pb2.ServiceStats:
         return common_pb2.ServiceStats(active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
@@ -74,16 +78,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def GetDrafterStats(self, request, context):
         return drafter_pb2.GetDrafterStatsResponse(stats=self.stats())
-
-    async def _compute(self, fn, *args):
-        """Run on the compute thread, or inline when this is the only session (no thread hop)."""
-        if len(self.table) <= 1 and not self._busy:
-            return fn(*args)
-        self._busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        finally:
-            self._busy -= 1
 
     # ------------------------------------------------------------------ the stream
     async def Draft(self, request_iterator, context):
@@ -141,18 +135,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 self.table.close(session)
 
     async def _read(self, context, session: Optional[DrafterSession]):
+        """The next request, or None at stream end; aborts idle sessions after --idle-timeout-s."""
         timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
         try:
-            request = await asyncio.wait_for(context.read(), timeout)
-        except asyncio.TimeoutError:
+            return await read_request(context, timeout)
+        except IdleTimeout:
             if session is not None:
                 self.table.close(session)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
                                 "its cache was freed: reopen with the committed prefix to resume")
-        if request is grpc.aio.EOF:
-            return None
-        return request
 
     def _steering(self, msg: common_pb2.Tensor, what: str) -> Optional[torch.Tensor]:
         if not wire.has_tensor(msg):
@@ -193,7 +185,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def _propose(self, session: DrafterSession) -> drafter_pb2.DraftResponse:
         start_ns = time.time_ns()
-        out = await self._compute(self.drafter.draft, session)
+        out = await self.batcher.submit(session)
         session.seq += 1
         n = len(session.committed)
         session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids)
@@ -202,7 +194,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,
                                       start_ns + int(out.draft_ms * 1e6), block=session.seq, k=len(out.draft_ids),
-                                      bytes=block.ByteSize())
+                                      bytes=block.ByteSize(), batch_size=out.batch_size)
         return drafter_pb2.DraftResponse(block=block)
 
     def _check_feedback(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):

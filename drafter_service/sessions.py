@@ -5,6 +5,8 @@ committed[cache_len:] (ends with the pending token) -> q_1, sample d_1, feed d_1
 Greedy takes argmaxes; sampling
 draws from the wire distribution `fp16_roundtrip(truncate_top_k(probs, draft_top_k))`, exactly
 what the verifier decodes, so speculative sampling stays exact across the network.
+Sessions that ask at the same time are drafted together (`Drafter.draft_many`,
+steerspec/drafting.py): one batched forward pass per draft step, each session as if alone.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import grpc
 import torch
 from torch import Tensor
 
+from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
 from steerspec.policies.base import PolicyBase
 from steerspec.policies.fixed import FixedK
+from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sampling import SamplingParams, SparseDist
 from steerspec.wire import ProtocolError, invalid
@@ -73,6 +77,7 @@ class DraftOutput:
     draft_ids: List[int]
     q: Optional[SparseDist]  # ids/probs [k, S], probs already fp16-rounded and renormalised
     draft_ms: float
+    batch_size: int = 1  # sessions drafted in the same batched passes
 
 
 @dataclass
@@ -130,28 +135,70 @@ class Drafter:
         k = min(k, self.context - len(session.committed))
         return max(k, 0)
 
+    def _steer(self, session: DrafterSession) -> None:
+        """Put the session's vector on the hooks for its next forward call (or clear them)."""
+        if session.steering is not None:
+            # first block: the drafter feeds the whole prompt; prompt[:-1] stays unsteered (as in training)
+            self.hooks.set_vector(session.steering.to(self.model.device).unsqueeze(0),
+                                  steer_prefix=session.lm.length > 0)
+        else:
+            self.hooks.clear()
+
+    def _output(self, block, start: float, batch_size: int = 1) -> DraftOutput:
+        q = None if block.q is None else SparseDist(ids=block.q.ids[0], probs=block.q.probs[0])
+        return DraftOutput(draft_ids=block.tokens[0].tolist(), q=q, draft_ms=(time.perf_counter() - start) * 1e3,
+                           batch_size=batch_size)
+
     @torch.inference_mode()
     def draft(self, session: DrafterSession) -> DraftOutput:
         """Propose the session's next block with the engine's `draft_block` (steered when SD² is on)."""
         start = time.perf_counter()
         k = self.block_length(session)
         if self.hooks is not None:
-            if session.steering is not None:
-                # first block: the drafter feeds the whole prompt; prompt[:-1] stays unsteered (as in training)
-                self.hooks.set_vector(session.steering.to(self.model.device).unsqueeze(0),
-                                      steer_prefix=session.lm.length > 0)
-            else:
-                self.hooks.clear()
+            self._steer(session)
         try:
             config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
             block = draft_block(session.lm, session.committed, k, config, session.generator, session.policy)
         finally:
             if self.hooks is not None:
                 self.hooks.clear()
-        q = None if block.q is None else SparseDist(ids=block.q.ids[0], probs=block.q.probs[0])
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        return DraftOutput(draft_ids=block.tokens[0].tolist(), q=q, draft_ms=(time.perf_counter() - start) * 1e3)
+        return self._output(block, start)
+
+    @torch.inference_mode()
+    def draft_many(self, sessions: Sequence[DrafterSession]) -> List[DraftOutput]:
+        """Propose every session's next block together: one batched forward pass per draft step
+        (steerspec.drafting.draft_blocks); each session gets what `draft` gives it alone."""
+        if len(sessions) == 1 or not can_batch([s.lm for s in sessions]):
+            return [self.draft(session) for session in sessions]
+        start = time.perf_counter()
+        try:
+            blocks = draft_blocks([self._row(session) for session in sessions])
+        finally:
+            for session in sessions:
+                session.lm.set_up_bias(None)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return [self._output(block, start, len(sessions)) for block in blocks]
+
+    def _row(self, session: DrafterSession) -> DraftRow:
+        """The session's DraftRow. Steered: a feed longer than one token runs here alone through the
+        hooks (as `draft` runs it), later steps carry the session's bias as the cache's up_bias."""
+        k = self.block_length(session)
+        config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
+        row = DraftRow(session.lm, session.committed, k, config, session.generator, session.policy)
+        if self.hooks is None or session.steering is None:
+            return row
+        lm = session.lm
+        if k > 0 and len(session.committed) - lm.length != 1:
+            self._steer(session)
+            try:
+                row.first_logits = lm.extend(session.committed[lm.length:], logits_to_keep=1).logits
+            finally:
+                self.hooks.clear()
+        lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
+        return row
 
     def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,
                        steering: Optional[Tensor]) -> None:

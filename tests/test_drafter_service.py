@@ -170,6 +170,55 @@ async def test_seeded_sampled_generation(pair):
     assert await run(2) != a
 
 
+async def _scripted_session(stub, prompt, temperature, seed, steering, rounds=4):
+    """Open a Draft stream and run `rounds` blocks with scripted feedback (all / none / half accepted,
+    a new steering vector in the second result); returns the blocks."""
+    call, reply = await open_drafter(stub, prompt, temperature=temperature, k=5, draft_top_k=16, seed=seed,
+                                     steering=None if steering is None else wire.tensor_to_proto(steering))
+    blocks = [reply.block]
+    for r in range(rounds - 1):
+        block = blocks[-1]
+        drafted = len(block.draft_ids)
+        accepted = (drafted, 0, drafted // 2)[(r + seed) % 3]
+        result = {"seq": block.seq, "accepted": accepted, "next_token": (13 * r + seed) % 90 + 3,
+                  "is_bonus": accepted == drafted, "committed_length": block.committed_length + accepted + 1}
+        if steering is not None and r == 1:
+            result["steering"] = wire.tensor_to_proto(-steering)
+        await call.write(drafter_pb2.DraftRequest(feedback=drafter_pb2.DraftFeedback(result=result, want_block=True)))
+        reply = await call.read()
+        assert reply.WhichOneof("kind") == "block", reply
+        blocks.append(reply.block)
+    call.cancel()
+    return blocks
+
+
+async def test_concurrent_sessions_are_drafted_in_batches_exactly(pair):
+    """Sessions asking together share batched passes (--draft-batch-window-ms) and get exactly the blocks
+    they get one at a time: same tokens and q ids, q probs to fp32 noise (one fp16 ulp at most)."""
+    g = torch.randn(pair.verifier_model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    specs = [([5, 6, 7, 8], 0.0, 1, g), ([9], 30.0, 2, 0.5 * g), (list(range(1, 11)), 30.0, 3, None),
+             ([40, 41], 0.0, 4, None)]
+    alone = [await _scripted_session(pair.drafter, *spec) for spec in specs]
+    running, servicer = await serve_drafter(pair.drafter_model, DrafterConfig(batch_window_ms=500.0),
+                                            hooks=pair.hooks)
+    channel = grpc.aio.insecure_channel(running.target)
+    try:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        together = await asyncio.gather(*[_scripted_session(stub, *spec) for spec in specs])
+        assert servicer.batcher.max_batch_seen >= 2 and servicer.batcher.batched_blocks > servicer.batcher.batches
+    finally:
+        await channel.close()
+        await running.stop(0.5)
+    vocab = pair.drafter_model.config.vocab_size
+    for (_, temperature, _, _), got, want in zip(specs, together, alone):
+        for a, b in zip(got, want):
+            assert (a.seq, a.committed_length, list(a.draft_ids)) == (b.seq, b.committed_length, list(b.draft_ids))
+            if temperature > 0:
+                qa, qb = (wire.decode_block(x, vocab, greedy=False).q for x in (a, b))
+                assert torch.equal(qa.ids, qb.ids)
+                torch.testing.assert_close(qa.probs, qb.probs, atol=1e-5, rtol=1e-3)
+
+
 async def test_steering_vector_changes_the_drafts_as_in_process(pair):
     prompt = [5, 6, 7, 8]
     g = torch.randn(pair.verifier_model.config.hidden_size)

@@ -165,6 +165,12 @@ class SteeringHooks:
         self._set(bias)
         self._last_only = not steer_prefix and bias.dim() == 3
 
+    def up_biases(self, g: Tensor) -> List[Tensor]:
+        """The per-layer biases [F] that `set_vector(g)` adds for one sequence (g [d_V]); for
+        callers that steer several sequences at once (FastCachedLM.set_up_bias per sequence)."""
+        bias = self.steering(g.reshape(1, -1)).to(self._dtype)
+        return [bias[0, layer] for layer in range(bias.shape[1])]
+
     def set_bias(self, bias: Optional[Tensor]) -> None:
         """Install precomputed biases ([B, L, F] or [B, T, L, F]); e.g. cached per session."""
         self._last_only = False

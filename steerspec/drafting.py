@@ -1,0 +1,146 @@
+"""Batched drafting: `draft_block` for several sessions with one forward pass per draft step.
+
+Each row is one session (its own cache, committed sequence, k, sampling parameters, generator
+and policy). Step 0 feeds committed[lm.length:]: rows whose feed is one token join the batched
+pass; a longer feed (a new prompt, or the last draft plus the bonus token) runs alone first.
+Later steps feed each row its last draft. A row leaves the batch when its block is complete
+(its own k) or its policy stops early.
+
+Per row the result is what `steerspec.engine.draft_block` gives for that session alone: the same
+warping, top-K truncation and fp16 wire rounding, and sampling from the row's *own* generator in
+the same order of draws. Only the batched matmuls differ from the single-row ones (~1e-6 in the
+logits; see steerspec/models/batched.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from steerspec.engine import DecodeConfig
+from steerspec.models.batched import batched_extend
+from steerspec.models.kv import CachedLM
+from steerspec.policies.base import DraftLengthPolicy
+from steerspec.sampling import SparseDist, fp16_roundtrip, probs_from_logits, sample_sparse, truncate_top_k
+from steerspec.speculative import DraftBlock
+
+
+@dataclass
+class DraftRow:
+    """One session's part of a batched draft (the arguments of `draft_block`)."""
+
+    lm: CachedLM
+    committed: Sequence[int]
+    k: int
+    config: DecodeConfig
+    generator: Optional[torch.Generator] = None
+    policy: Optional[DraftLengthPolicy] = None
+    first_logits: Optional[Tensor] = None  # [1, V] when the caller already fed committed[lm.length:]
+
+
+@dataclass
+class _Drafted:
+    """What one row has drafted so far."""
+
+    tokens: List[Tensor]
+    q_ids: List[Tensor]
+    q_probs: List[Tensor]
+    stopped: bool = False
+
+
+def _sampling_key(config: DecodeConfig) -> Tuple[float, int, float, int]:
+    params = config.sampling
+    return params.temperature, params.top_k, params.top_p, config.draft_top_k
+
+
+def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequence[_Drafted]) -> Tensor:
+    """Pick one token per row from logits [A, V] exactly as `draft_block` does; returns tokens [A]."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    groups: Dict[Optional[Tuple], List[int]] = {}
+    for j, row in enumerate(rows):
+        groups.setdefault(None if row.config.greedy else _sampling_key(row.config), []).append(j)
+    for key, members in groups.items():
+        sub = logits if len(members) == len(rows) else logits[members]
+        if key is None:
+            chosen = sub.argmax(-1)
+            tokens[members] = chosen
+            for r, j in enumerate(members):
+                _maybe_stop(rows[j], drafted[j], step, lambda: sub[r : r + 1].softmax(-1)[0])
+            continue
+        temperature, top_k, top_p, draft_top_k = key
+        probs_full = probs_from_logits(sub, temperature, top_k, top_p)
+        dist = fp16_roundtrip(truncate_top_k(probs_full, draft_top_k))
+        for r, j in enumerate(members):
+            own = SparseDist(ids=dist.ids[r : r + 1], probs=dist.probs[r : r + 1])
+            token = sample_sparse(own, rows[j].generator)  # [1], from this row's generator only
+            tokens[j : j + 1] = token
+            drafted[j].q_ids.append(own.ids)
+            drafted[j].q_probs.append(own.probs)
+            _maybe_stop(rows[j], drafted[j], step, lambda: probs_full[r])
+    return tokens
+
+
+def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, probs) -> None:
+    """Ask a stopping policy after draft `step`, as `draft_block` does (probs built only then)."""
+    policy = row.policy
+    if policy is not None and getattr(policy, "stops_early", False) and step + 1 < row.k:
+        drafted.stopped = bool(policy.should_stop(probs(), step))
+
+
+def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
+    """Logits [A, V] of step 0: one-token feeds in one batched pass, longer feeds alone first."""
+    logits: List[Optional[Tensor]] = [None] * len(active)
+    single: List[int] = []
+    for a, i in enumerate(active):
+        row = rows[i]
+        if row.first_logits is not None:
+            logits[a] = row.first_logits
+            continue
+        feed = list(row.committed[row.lm.length:])
+        if len(feed) == 1:
+            single.append(a)
+        else:
+            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
+    if single:
+        device = rows[active[single[0]]].lm.device
+        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long, device=device)
+        out = batched_extend([rows[active[a]].lm for a in single], feed)
+        for r, a in enumerate(single):
+            logits[a] = out[r : r + 1]
+    return logits[0] if len(logits) == 1 else torch.cat(logits)  # type: ignore[arg-type]
+
+
+def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
+    """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
+    drafted = [_Drafted([], [], []) for _ in rows]
+    active = [i for i, row in enumerate(rows) if row.k > 0]
+    step = 0
+    logits = _first_logits(rows, active) if active else None
+    while active:
+        tokens = _choose([rows[i] for i in active], logits, step, [drafted[i] for i in active])
+        for a, i in enumerate(active):
+            drafted[i].tokens.append(tokens[a : a + 1])
+        keep = [a for a, i in enumerate(active) if len(drafted[i].tokens) < rows[i].k and not drafted[i].stopped]
+        if not keep:
+            break
+        feed = tokens if len(keep) == len(active) else tokens[keep]
+        active = [active[a] for a in keep]
+        logits = batched_extend([rows[i].lm for i in active], feed)
+        step += 1
+    return [_block(row, d) for row, d in zip(rows, drafted)]
+
+
+def _block(row: DraftRow, drafted: _Drafted) -> DraftBlock:
+    """The DraftBlock `draft_block` would return for this row's drafts."""
+    device = row.lm.device
+    if drafted.tokens:
+        tokens = torch.cat(drafted.tokens).view(1, -1)
+    else:
+        tokens = torch.zeros(1, 0, dtype=torch.long, device=device)
+    q = None
+    if not row.config.greedy and drafted.tokens:
+        q = SparseDist(ids=torch.stack(drafted.q_ids, dim=1), probs=torch.stack(drafted.q_probs, dim=1))
+    return DraftBlock(tokens=tokens, lengths=torch.tensor([len(drafted.tokens)], device=device), q=q)

@@ -1,0 +1,106 @@
+"""One decode step for several sequences at once, each in its own FastCachedLM K/V buffers.
+
+`batched_extend(lms, tokens)` feeds tokens[i] to lms[i] at that sequence's own position and
+returns logits [B, V]. Embedding, norms, projections, rotary and MLP run once for the batch;
+attention runs per row over that row's own cache, so ragged lengths need no padding or copies.
+Row i adds its own SD² up-projection bias (`FastCachedLM.set_up_bias`), or none.
+
+Logits equal per-row `lm.extend([t])` to ~1e-6, not bit for bit: a B-row GEMM sums in another
+order than a one-row GEMV. A batch of one is `lm.extend` itself. When the fast path cannot run
+(`can_batch` is False) each row runs its own `extend`.
+
+This module reads FastCachedLM's internals (same package): plans, buffers, rotary tables.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from steerspec.models.kv import CachedLM, FastCachedLM, _has_global_hooks, _hook_state, _rms_norm, _rotate_half
+
+
+def can_batch(lms: Sequence[CachedLM]) -> bool:
+    """True when every row is a FastCachedLM over one model and no hook needs the module path.
+
+    Inactive SD² steering hooks are fine (rows carry their biases in `up_bias`); active ones,
+    or any other hook, are not: the batched pass would skip them.
+    """
+    if not lms or not all(isinstance(lm, FastCachedLM) for lm in lms):
+        return False
+    model = lms[0].model
+    if any(lm.model is not model for lm in lms) or _has_global_hooks():
+        return False
+    for plan in lms[0]._plans:
+        hooked, steering = _hook_state(plan[0])
+        if hooked or (steering is not None and steering.active):
+            return False
+    return True
+
+
+def _row_biases(lms: Sequence[FastCachedLM]) -> Optional[List[Optional[Tensor]]]:
+    """Per layer, the rows' up-projection biases stacked [B, F] (zeros for unbiased rows), or None."""
+    if all(lm.up_bias is None for lm in lms):
+        return None
+    stacked: List[Optional[Tensor]] = []
+    for layer in range(lms[0].num_layers):
+        own = [None if lm.up_bias is None else lm.up_bias[layer] for lm in lms]
+        ref = next((b for b in own if b is not None), None)
+        if ref is None:
+            stacked.append(None)
+            continue
+        stacked.append(torch.stack([torch.zeros_like(ref) if b is None else b.to(ref.device) for b in own]))
+    return stacked
+
+
+@torch.inference_mode()
+def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
+    """Feed tokens[i] ([B] ids) after lms[i]'s cached prefix, all in one pass; return logits [B, V]."""
+    tokens = tokens.view(-1)
+    if tokens.numel() != len(lms):
+        raise ValueError(f"need one token per sequence: {len(lms)} sequences, {tokens.numel()} tokens")
+    if len(lms) == 1:
+        return lms[0].extend(tokens, logits_to_keep=1).logits
+    if not can_batch(lms):
+        return torch.cat([lm.extend(tokens[i : i + 1], logits_to_keep=1).logits for i, lm in enumerate(lms)])
+    first: FastCachedLM = lms[0]  # type: ignore[assignment]
+    batch = len(lms)
+    positions = [lm.length for lm in lms]
+    for lm, pos in zip(lms, positions):
+        lm._grow(pos + 1)
+    hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
+    gqa = heads != kv_heads
+    cos = torch.stack([lm._cos[pos] for lm, pos in zip(lms, positions)]).view(batch, 1, hd)
+    sin = torch.stack([lm._sin[pos] for lm, pos in zip(lms, positions)]).view(batch, 1, hd)
+    biases = _row_biases(lms)
+    linear, rms_norm, sdpa = F.linear, _rms_norm, F.scaled_dot_product_attention
+    x = F.embedding(tokens.to(first.device), first._embed)  # [B, D]
+    for index, plan in enumerate(first._plans):
+        h = rms_norm(x, *plan[1])
+        q = linear(h, *plan[3]).view(batch, heads, hd)
+        k = linear(h, *plan[4]).view(batch, kv_heads, hd)
+        v = linear(h, *plan[5]).view(batch, kv_heads, hd)
+        if plan[7] is not None:
+            q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        outs = []
+        for row, (lm, pos) in enumerate(zip(lms, positions)):
+            keys, values = lm._keys[index], lm._values[index]
+            keys[0, :, pos] = k[row]
+            values[0, :, pos] = v[row]
+            outs.append(sdpa(q[row].view(1, heads, 1, hd), keys[:, :, : pos + 1], values[:, :, : pos + 1],
+                             scale=first.scaling, enable_gqa=gqa))
+        o = torch.cat(outs).view(batch, heads * hd)
+        x = x + linear(o, *plan[6])
+        h = rms_norm(x, *plan[2])
+        up = linear(h, *plan[10])
+        if biases is not None and biases[index] is not None:
+            up = up + biases[index]
+        x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+    for lm, pos in zip(lms, positions):  # only now: a failed pass leaves every cache as it was
+        lm.length = pos + 1
+    return linear(rms_norm(x, *first._final_norm), *first._head)
