@@ -1,8 +1,9 @@
 """Batched verification: blocks of concurrent sessions scored in ONE forward pass.
 
-`Batcher` collects submitted blocks for at most `window_s` (ending early as soon as every ready
-session has submitted, so a lone session never waits) and hands them to `VerifyRunner.run` on a
-single compute thread; the event loop keeps reading other streams meanwhile.
+`Batcher` (a `steerspec.batching.WindowBatcher`) collects submitted blocks for at most `window_s`
+(ending early as soon as every ready session has submitted, so a lone session never waits) and
+hands them to `VerifyRunner.run` on a single compute thread; the event loop keeps reading other
+streams meanwhile.
 
 Ragged batches: session i has a cache of L_i tokens and feeds n_i = k_i + 1 new tokens. Caches
 are copied right-padded into [B, H, L_max, D], new tokens right-padded to T = max n_i and placed
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from steerspec.batching import WindowBatcher
 from steerspec.sampling import SparseDist, probs_from_logits
 from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
 from steerspec.wire import WireBlock
@@ -215,93 +216,9 @@ class VerifyRunner:
         return accepted, next_tokens, is_bonus
 
 
-class Batcher:
-    """Collects jobs for at most `window_s`, or until every ready session has submitted."""
+class Batcher(WindowBatcher[VerifyJob, JobResult]):
+    """Blocks of concurrent sessions verified in one forward pass (`VerifyRunner.run`) on one thread."""
 
     def __init__(self, runner: VerifyRunner, window_s: float, expected: Callable[[], int], max_batch: int = 64) -> None:
+        super().__init__(runner.run, window_s, expected, max_batch=max_batch, thread_name="verify")
         self.runner = runner
-        self.window_s = max(0.0, float(window_s))
-        self.expected = expected
-        self.max_batch = max(1, int(max_batch))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
-        self._pending: List[VerifyJob] = []
-        self._wake = asyncio.Event()
-        self._task: Optional[asyncio.Task] = None
-        self.batches = 0
-        self.batched_blocks = 0
-        self._busy = 0  # calls running on the compute thread
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def run_compute(self, fn, *args):
-        """Run `fn(*args)` on the compute thread (serialised with batches), or inline on the event
-        loop when at most one session is active: a thread hop costs milliseconds on a loaded host."""
-        if self.expected() <= 1 and not self._busy:
-            return fn(*args)
-        self._busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        finally:
-            self._busy -= 1
-
-    async def submit(self, job: VerifyJob) -> JobResult:
-        job.submitted = time.perf_counter()
-        if self.expected() <= 1 and not self._pending and not self._busy:
-            # a lone session: verify right here, no hand-off to the batching task
-            results = self.runner.run([job])
-            self.batches += 1
-            self.batched_blocks += 1
-            return results[0]
-        job.future = asyncio.get_running_loop().create_future()
-        self._pending.append(job)
-        self._wake.set()
-        return await job.future
-
-    async def _loop(self) -> None:
-        while True:
-            while not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-            deadline = self._pending[0].submitted + self.window_s
-            while len(self._pending) < min(self.expected(), self.max_batch):
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            jobs = [j for j in self._pending[: self.max_batch] if not j.future.done()]
-            self._pending = self._pending[self.max_batch :]
-            jobs = [j for j in jobs if not j.session.closed]
-            if not jobs:
-                continue
-            try:
-                results = await self.run_compute(self.runner.run, jobs)
-            except Exception as exc:  # the forward failed: every job in it gets the error
-                for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
-                continue
-            self.batches += 1
-            self.batched_blocks += len(jobs)
-            for job, result in zip(jobs, results):
-                if not job.future.done():
-                    job.future.set_result(result)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        for job in self._pending:
-            if job.future is not None and not job.future.done():
-                job.future.cancel()
-        self._pending = []
-        self.executor.shutdown(wait=False, cancel_futures=True)
