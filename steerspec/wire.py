@@ -98,7 +98,7 @@ def ids_array(values: Sequence[int]) -> np.ndarray:
 
 def check_ids(ids: np.ndarray, vocab_size: int, what: str) -> None:
     """INVALID_ARGUMENT unless every id is in [0, vocab_size)."""
-    if ids.size == 0:
+    if ids.size == 0 or int(ids.view(np.uint64).max()) < vocab_size:  # one pass: negatives wrap to huge
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
@@ -137,13 +137,39 @@ def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
         raise invalid(f"q.probs has {len(msg.probs)} bytes; expected 2 * k * support = {2 * k * support} "
                       "(little-endian float16, row-major [k, support])")
     ids = ids_array(msg.ids).reshape(k, support)
+    probs = np.frombuffer(msg.probs, dtype="<f2").reshape(k, support).astype(np.float32)
+    if not _sparse_ok(ids, probs, vocab_size, draft_ids):
+        _explain_sparse(ids, probs, vocab_size, draft_ids)
+    return SparseDist(ids=torch.from_numpy(ids), probs=renormalise(torch.from_numpy(probs)))
+
+
+def _sparse_ok(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_ids: Optional[np.ndarray]) -> bool:
+    """Every check of `decode_sparse` in a few array passes (the hot path of each verify hop)."""
+    if int(ids.view(np.uint64).max()) >= vocab_size:
+        return False
+    if ids.shape[1] > 1:
+        srt = np.sort(ids, axis=-1)
+        if (srt[:, 1:] == srt[:, :-1]).any():
+            return False
+    if not probs.min() >= 0:  # also False for NaN
+        return False
+    sums = probs.sum(-1)
+    if not (sums.min() > 0 and sums.max() < np.inf):
+        return False
+    if draft_ids is not None and ids.shape[0]:
+        return bool(((ids == draft_ids.reshape(-1, 1)) & (probs > 0)).any(-1).all())
+    return True
+
+
+def _explain_sparse(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_ids: Optional[np.ndarray]) -> None:
+    """Raise INVALID_ARGUMENT naming the first check a SparseDistribution fails."""
+    k, support = ids.shape
     check_ids(ids, vocab_size, "q.ids")
     if support > 1:
         srt = np.sort(ids, axis=-1)
         if bool((srt[:, 1:] == srt[:, :-1]).any()):
             row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(-1))[0][0])
             raise invalid(f"q row {row} repeats a token id; each row must list distinct ids")
-    probs = np.frombuffer(msg.probs, dtype="<f2").reshape(k, support).astype(np.float32)
     if not np.isfinite(probs).all():
         raise invalid("q.probs contains NaN or infinity; probabilities must be finite")
     if (probs < 0).any():
@@ -158,7 +184,6 @@ def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
             i = int(bad[0])
             raise invalid(f"draft token {int(draft_ids[i])} at position {i} has probability 0 under its q row "
                           "(a drafter can only propose tokens from its own distribution)")
-    return SparseDist(ids=torch.from_numpy(ids), probs=renormalise(torch.from_numpy(probs)))
 
 
 # --------------------------------------------------------------------------- dense tensors
