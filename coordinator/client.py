@@ -194,6 +194,16 @@ class Client:
         base = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
         return base * (0.5 + random.random() / 2)
 
+    def _retry_pause(self, code: grpc.StatusCode, attempt: int, deadline: Optional[float]) -> Optional[float]:
+        """Seconds to wait before retrying a call that failed with `code`; None: give up (not
+        retryable, out of retries, or the pause would pass the deadline)."""
+        if code not in RETRYABLE or attempt >= self.retries:
+            return None
+        pause = self._backoff(attempt)
+        if deadline is not None and time.monotonic() + pause >= deadline:
+            return None
+        return pause
+
     # -- calls ------------------------------------------------------------------------------
     def generate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -218,10 +228,8 @@ class Client:
                         yield item
                 return
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
-                pause = self._backoff(attempt)
-                if deadline is not None and time.monotonic() + pause >= deadline:
+                pause = self._retry_pause(exc.code(), attempt, deadline)
+                if pause is None:
                     raise
                 attempt += 1
                 time.sleep(pause)
@@ -251,10 +259,8 @@ class Client:
                         yield item
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
-                pause = self._backoff(attempt)
-                if deadline is not None and time.monotonic() + pause >= deadline:
+                pause = self._retry_pause(exc.code(), attempt, deadline)
+                if pause is None:
                     raise
                 attempt += 1
                 await asyncio.sleep(pause)

@@ -89,65 +89,74 @@ class _ServerActor:
         return running is not None
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class VerifierActor(_ServerActor):
-    """The verifier service (model + session table + batcher) served from this actor."""
+class _ModelServerActor(_ServerActor):
+    """A service holding a model: the settings both model services take, and `start` around `_serve`."""
 
-    def __init__(self, model: str = "verifier", dtype: str = "float32", device: str = "cpu",
-                 host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
-                 num_threads: int = 0, options: Optional[Dict[str, object]] = None,
-                 device_map: Optional[str] = None, steering_head: Optional[str] = None) -> None:
+    service = ""  # "verifier" | "drafter": names the tracer's service
+
+    def __init__(self, model: str, dtype: str, device: str, host: str, port: int, trace_file: Optional[str],
+                 num_threads: int, options: Optional[Dict[str, object]]) -> None:
         self.model_name, self.dtype, self.device = model, dtype, device
-        self.device_map, self.steering_head = device_map, steering_head
         self.host, self.port, self.trace_file = host, port, trace_file
         self.num_threads = num_threads
         self.options = dict(options or {})
         self.servicer = None
 
     async def start(self) -> str:
-        if self.running is not None:
-            return self.running.target
-        _threads(self.num_threads)
-        _setup_observability("steerspec-verifier", self.trace_file)
+        if self.running is None:
+            _threads(self.num_threads)
+            _setup_observability(f"steerspec-{self.service}", self.trace_file)
+            self.running, self.servicer = await self._serve(_bind_host(self.host))
+        return self.running.target
+
+    async def _serve(self, host: str):
+        """Load the model and start the server on `host`: (RunningServer, servicer)."""
+        raise NotImplementedError
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class VerifierActor(_ModelServerActor):
+    """The verifier service (model + session table + batcher) served from this actor."""
+
+    service = "verifier"
+
+    def __init__(self, model: str = "verifier", dtype: str = "float32", device: str = "cpu",
+                 host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
+                 num_threads: int = 0, options: Optional[Dict[str, object]] = None,
+                 device_map: Optional[str] = None, steering_head: Optional[str] = None) -> None:
+        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options)
+        self.device_map, self.steering_head = device_map, steering_head
+
+    async def _serve(self, host: str):
         from verifier_service.cli import load_head, load_verifier
         from verifier_service.server import VerifierConfig, serve
 
         model = load_verifier(self.model_name, self.dtype, self.device, self.device_map)
         head = load_head(self.steering_head, model.device) if self.steering_head else None
         config = VerifierConfig(replica=f"ray-verifier-{os.getpid()}", model_name=str(self.model_name), **self.options)
-        self.running, self.servicer = await serve(model, config, host=_bind_host(self.host), port=self.port,
-                                                  steering_head=head)
-        return self.running.target
+        return await serve(model, config, host=host, port=self.port, steering_head=head)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
-class DrafterActor(_ServerActor):
+class DrafterActor(_ModelServerActor):
     """The drafter service served from this actor (an edge node)."""
+
+    service = "drafter"
 
     def __init__(self, model: str = "pretrained", dtype: str = "float32", device: str = "cpu",
                  host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
                  num_threads: int = 0, options: Optional[Dict[str, object]] = None,
                  steering: str = "auto") -> None:
-        self.model_name, self.dtype, self.device = model, dtype, device
+        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options)
         self.steering = steering
-        self.host, self.port, self.trace_file = host, port, trace_file
-        self.num_threads = num_threads
-        self.options = dict(options or {})
-        self.servicer = None
 
-    async def start(self) -> str:
-        if self.running is not None:
-            return self.running.target
-        _threads(self.num_threads)
-        _setup_observability("steerspec-drafter", self.trace_file)
+    async def _serve(self, host: str):
         from drafter_service.cli import load_drafter
         from drafter_service.server import DrafterConfig, serve
 
         model, hooks = load_drafter(self.model_name, self.dtype, self.device, self.steering)
         config = DrafterConfig(model_name=str(self.model_name), **self.options)
-        self.running, self.servicer = await serve(model, config, host=_bind_host(self.host), port=self.port,
-                                                  hooks=hooks)
-        return self.running.target
+        return await serve(model, config, host=host, port=self.port, hooks=hooks)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)

@@ -13,7 +13,6 @@ Blocks of sessions that ask at about the same time are drafted together (drafter
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from steerspec import wire
 from steerspec.policies.base import MAX_K
 from steerspec.sampling import MAX_DRAFT_TOP_K
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from steerspec.grpc_common import IdleTimeout, read_request
+from steerspec.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.wire import ProtocolError, code_number
 from drafter_service.batcher import DraftBatcher
 from drafter_service.sessions import Drafter, DrafterSession, DrafterSessionTable, Proposal, resolve_policy
@@ -48,7 +47,11 @@ def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.Dra
     return drafter_pb2.DraftResponse(error=common_pb2.StreamError(code=code_number(code), message=message, seq=seq))
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    stream_spec = StreamSpec(stream="Draft", open_message="DraftOpen", request="DraftRequest", work="feedback",
+                             open_failure="drafting failed", work_failure="drafting failed",
+                             error_reply=lambda code, message: _error(code, message))
+
     def __init__(self, model, config: DrafterConfig, hooks=None) -> None:
         self.model = model
         self.config = config
@@ -81,70 +84,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # ------------------------------------------------------------------ the stream
     async def Draft(self, request_iterator, context):
-        session: Optional[DrafterSession] = None
-        try:
-            first = await self._read(context, None)
-            if first is None:
-                return
-            kind = first.WhichOneof("kind")
-            if kind != "open":
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"the first message of a Draft stream must be DraftOpen, got "
-                                    f"{kind or 'an empty DraftRequest'}; open the session first")
-            try:
-                session = self._open(first.open)
-            except ProtocolError as exc:
-                await context.abort(exc.code, exc.message)
-            try:
-                first_block = await self._propose(session)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as exc:
-                log.exception("drafting failed for session %s", session.session_id)
-                await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed ({type(exc).__name__}: {exc})")
-            await context.write(first_block)
-            while True:
-                request = await self._read(context, session)
-                if request is None:
-                    return
-                kind = request.WhichOneof("kind")
-                if kind == "close":
-                    return
-                if kind == "feedback":
-                    try:
-                        response = await self._feedback(session, request.feedback)
-                    except (asyncio.CancelledError, grpc.aio.AbortError):
-                        raise
-                    except Exception as exc:  # a failed forward: the cache may be partial, end the session
-                        log.exception("drafting failed for session %s", session.session_id)
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"drafting failed ({type(exc).__name__}: {exc}); the session was "
-                                            "closed: reopen it with the committed prefix")
-                elif kind == "open":
-                    response = _error(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"session {session.session_id!r} is already open on this stream; "
-                                      "open a new stream for another session")
-                else:
-                    response = _error(grpc.StatusCode.INVALID_ARGUMENT,
-                                      "empty DraftRequest: set one of open, feedback or close")
-                session.last_active = time.monotonic()
-                if response is not None:
-                    await context.write(response)
-        finally:
-            if session is not None:
-                self.table.close(session)
+        await self.serve_session(context)
 
-    async def _read(self, context, session: Optional[DrafterSession]):
-        """The next request, or None at stream end; aborts idle sessions after --idle-timeout-s."""
-        timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.config.idle_timeout_s
+
+    async def open_session(self, msg: drafter_pb2.DraftOpen):
+        session = self._open(msg)
         try:
-            return await read_request(context, timeout)
-        except IdleTimeout:
-            if session is not None:
-                self.table.close(session)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
-                                "its cache was freed: reopen with the committed prefix to resume")
+            return session, await self._propose(session)
+        except BaseException:
+            self.table.close(session)
+            raise
+
+    def touch(self, session: DrafterSession) -> None:
+        session.last_active = time.monotonic()
+
+    def close_session(self, session: DrafterSession) -> None:
+        self.table.close(session)
 
     def _steering(self, msg: common_pb2.Tensor, what: str) -> Optional[torch.Tensor]:
         if not wire.has_tensor(msg):
@@ -233,7 +191,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                 "this result; send it with want_block=false")
         return self._steering(result.steering, "result.steering")
 
-    async def _feedback(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):
+    async def handle(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):
+        """Apply a verify result; draft the next block when asked (a bad feedback gets a StreamError)."""
         try:
             steering = self._check_feedback(session, msg)
         except ProtocolError as exc:

@@ -11,7 +11,6 @@ numbering); each later block must carry the previous verified seq + 1.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from steerspec import wire
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from steerspec.grpc_common import IdleTimeout, read_request
+from steerspec.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.wire import ProtocolError, code_number
 from verifier_service.batcher import Batcher, VerifyJob, VerifyRunner
 from verifier_service.sessions import SessionTable, VerifierSession
@@ -50,8 +49,12 @@ def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> verifier_pb2.Ve
     return verifier_pb2.VerifyResponse(error=common_pb2.StreamError(code=code_number(code), message=message, seq=seq))
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceServicer):
     """Holds the model, the session table and the batcher."""
+
+    stream_spec = StreamSpec(stream="Verify", open_message="VerifyOpen", request="VerifyRequest", work="block",
+                             open_failure="prefill failed", work_failure="verification failed",
+                             error_reply=lambda code, message: _error(code, message))
 
     def __init__(self, model, config: VerifierConfig, steering_head=None) -> None:
         self.model = model
@@ -93,67 +96,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     # ------------------------------------------------------------------ the stream
     async def Verify(self, request_iterator, context):
-        session: Optional[VerifierSession] = None
-        try:
-            first = await self._read(context, None)
-            if first is None:
-                return
-            kind = first.WhichOneof("kind")
-            if kind != "open":
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"the first message of a Verify stream must be VerifyOpen, got "
-                                    f"{kind or 'an empty VerifyRequest'}; open the session first")
-            try:
-                session, ready = await self._open(first.open)
-            except ProtocolError as exc:
-                await context.abort(exc.code, exc.message)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as exc:  # prefill failed (e.g. out of memory): nothing was kept
-                log.exception("prefill failed")
-                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed ({type(exc).__name__}: {exc})")
-            await context.write(verifier_pb2.VerifyResponse(ready=ready))
-            while True:
-                request = await self._read(context, session)
-                if request is None:
-                    return
-                kind = request.WhichOneof("kind")
-                if kind == "close":
-                    return
-                if kind == "block":
-                    try:
-                        response = await self._verify(session, request.block)
-                    except (asyncio.CancelledError, grpc.aio.AbortError):
-                        raise
-                    except Exception as exc:  # a failed forward: the cache may be partial, end the session
-                        log.exception("verify failed for session %s", session.session_id)
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"verification failed ({type(exc).__name__}: {exc}); the session was "
-                                            "closed: reopen it with the committed prefix")
-                elif kind == "open":
-                    response = _error(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"session {session.session_id!r} is already open on this stream; "
-                                      "open a new stream for another session")
-                else:
-                    response = _error(grpc.StatusCode.INVALID_ARGUMENT,
-                                      "empty VerifyRequest: set one of open, block or close")
-                session.touch()
-                await context.write(response)
-        finally:
-            if session is not None:
-                self.table.close(session)
+        await self.serve_session(context)
 
-    async def _read(self, context, session: Optional[VerifierSession]):
-        """The next request, or None at stream end; aborts idle sessions after --idle-timeout-s."""
-        timeout = self.config.idle_timeout_s if self.config.idle_timeout_s > 0 else None
-        try:
-            return await read_request(context, timeout)
-        except IdleTimeout:
-            if session is not None:
-                self.table.close(session)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"session idle for more than --idle-timeout-s {self.config.idle_timeout_s:g}s; "
-                                "its cache was freed: reopen with the committed prefix to resume")
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.config.idle_timeout_s
+
+    async def open_session(self, msg: verifier_pb2.VerifyOpen):
+        session, ready = await self._open(msg)
+        return session, verifier_pb2.VerifyResponse(ready=ready)
+
+    def touch(self, session: VerifierSession) -> None:
+        session.touch()
+
+    def close_session(self, session: VerifierSession) -> None:
+        self.table.close(session)
 
     async def _open(self, msg: verifier_pb2.VerifyOpen):
         prompt = wire.ids_array(msg.prompt_ids)
@@ -212,7 +169,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.table.reserve(session, session.committed + k)
         return block
 
-    async def _verify(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> verifier_pb2.VerifyResponse:
+    async def handle(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> verifier_pb2.VerifyResponse:
+        """Verify one block (batched with concurrent sessions' blocks); a bad block gets a StreamError."""
         try:
             block = self._check_block(session, msg)
         except ProtocolError as exc:
