@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="", help="verifier replicas HOST:PORT[,HOST:PORT...]")
     parser.add_argument("--drafter", default="", help="drafter replicas HOST:PORT[,HOST:PORT...]")
     parser.add_argument("--redis-url", default=None,
-                        help="Redis for the registry and session checkpoints (default: in-process store)")
+                        help="Redis for the registry and session checkpoints (default: in-process store); "
+                             "replicas started with the same --redis-url are found there")
     parser.add_argument("--tokenizer", default="verifier",
                         help="bundled model name or checkpoint directory whose tokenizer (and EOS) to use")
     parser.add_argument("--max-length", type=int, default=None,
@@ -79,7 +80,7 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
 
 async def _main(args) -> int:
     from coordinator.server import Coordinator, serve
-    from coordinator.store import make_store
+    from coordinator.store import InProcessStore, connect_redis
     from steerspec.grpc_common import serve_until_signal
     from steerspec.linkemu import LinkModel
 
@@ -101,12 +102,7 @@ async def _main(args) -> int:
     max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
     link = LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
                      seed=args.link_seed).validate()
-    store = make_store(args.redis_url)
-    if args.redis_url:
-        try:
-            await store.ping()
-        except Exception as exc:
-            raise UsageError(f"cannot reach Redis at {args.redis_url}: {exc}") from None
+    store = await connect_redis(args.redis_url) if args.redis_url else InProcessStore()
     coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
@@ -129,4 +125,7 @@ def run(args) -> int:
         raise UsageError("--heartbeat-ttl-s must be > 0")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if not parse_targets(args.verifier, "--verifier") and not args.redis_url:
+        raise UsageError("no verifier to place sessions on: pass --verifier HOST:PORT, or --redis-url where "
+                         "replicas register themselves (steerspec serve verifier --redis-url URL)")
     return asyncio.run(_main(args))

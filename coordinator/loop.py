@@ -249,7 +249,8 @@ class SessionLoop:
             if address is None:
                 raise SessionError(grpc.StatusCode.UNAVAILABLE,
                                    "no live verifier replica: start one with `steerspec serve verifier --port ...` "
-                                   "and pass it to the coordinator with --verifier HOST:PORT")
+                                   "and pass it to the coordinator with --verifier HOST:PORT (or start both "
+                                   "with the same --redis-url)")
             call = self.cfg.channels.verifier(address).Verify(timeout=self._timeout())
             stream = Stream("verifier", address, call)
             opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(

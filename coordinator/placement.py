@@ -33,8 +33,10 @@ class Placer:
             return None
 
         def load(endpoint) -> int:
+            # a self-registered replica reports every session it holds, ours included, as of its last
+            # heartbeat; our own count is current: the larger counts nothing twice
             reported = endpoint.meta.get("active_sessions", 0) if isinstance(endpoint.meta, dict) else 0
-            return self.in_use[(kind, endpoint.address)] + int(reported or 0)
+            return max(self.in_use[(kind, endpoint.address)], int(reported or 0))
 
         least = min(load(e) for e in live)
         tied = [e.address for e in live if load(e) == least]

@@ -275,6 +275,24 @@ def make_store(redis_url: Optional[str]) -> Store:
     return RedisStore(redis_url) if redis_url else InProcessStore()
 
 
+async def connect_redis(url: str, prefix: str = "steerspec:", timeout_s: float = 5.0) -> RedisStore:
+    """A `RedisStore` that answered PING; UsageError (one line) when the URL is bad or Redis does not answer."""
+    from steerspec.errors import UsageError
+
+    try:
+        store = RedisStore(url, prefix=prefix)
+    except ValueError as exc:
+        raise UsageError(f"bad --redis-url '{url}': {exc}") from None
+    try:
+        await asyncio.wait_for(store.ping(), timeout_s)
+    except Exception as exc:  # refused, unresolvable, auth, or no answer in time
+        await store.close()
+        reason = (str(exc).splitlines() or [""])[0] or f"no answer within {timeout_s:g}s"
+        raise UsageError(f"cannot reach Redis at {url}: {reason} (start redis-server there or fix --redis-url)") \
+            from None
+    return store
+
+
 async def keep_registered(store: Store, kind: str, address: str, ttl_s: float = 5.0,
                           probe=None, meta_fn=None) -> None:
     """Heartbeat forever every ttl_s/3 (cancel the task to stop).

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 
+from steerspec import registration
 from steerspec.errors import UsageError
 
 
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    registration.add_arguments(parser)
 
 
 def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
@@ -59,11 +61,14 @@ async def _main(args) -> int:
 
         setup_tracing("steerspec-drafter", trace_file=args.trace_file)
         instrument_grpc()
+    await registration.check_reachable(args.redis_url)  # before the model loads
     model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
                            model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms)
-    running, _ = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
-                             max_message_bytes=int(args.max_message_mb * 2**20))
+    running, servicer = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
+                                    max_message_bytes=int(args.max_message_mb * 2**20))
+    await registration.announce(running, "drafter", load=lambda: len(servicer.table), redis_url=args.redis_url,
+                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
     steer = "with SD² steering" if hooks is not None else "without steering"
     print(f"steerspec drafter serving {args.model} ({steer}) on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
@@ -75,6 +80,7 @@ def run(args) -> int:
         raise UsageError("--max-sessions must be at least 1")
     if not args.draft_batch_window_ms >= 0:
         raise UsageError(f"--draft-batch-window-ms must be >= 0, got {args.draft_batch_window_ms}")
+    registration.check_args(args)
     if args.threads > 0:
         import torch
 

@@ -3,7 +3,7 @@
     server = await start_server([(add_VerifierServiceServicer_to_server, servicer)],
                                 ["steerspec.v1.VerifierService"], host="127.0.0.1", port=0)
     print(server.port)            # the bound port (port 0 picks a free one)
-    await server.stop(grace=5.0)  # NOT_SERVING, then finish in-flight calls for `grace` seconds
+    await server.stop(grace=5.0)  # on_drain, NOT_SERVING, finish in-flight calls for `grace` s, on_stop
 
 `grpc.aio.server` is looked up at call time so that `steerspec.tracing.instrument_grpc()` (when
 called first) adds its server interceptor.
@@ -43,7 +43,8 @@ class RunningServer:
     port: int
     health: health_aio.HealthServicer
     service_names: Sequence[str]
-    on_stop: List[Callable[[], object]] = field(default_factory=list)
+    on_drain: List[Callable[[], object]] = field(default_factory=list)  # first thing `stop` does
+    on_stop: List[Callable[[], object]] = field(default_factory=list)  # after the server has stopped
 
     @property
     def target(self) -> str:
@@ -55,16 +56,23 @@ class RunningServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: Optional[float] = 5.0) -> None:
-        """Graceful shutdown: report NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        """Graceful shutdown: run on_drain (leave the registry), report NOT_SERVING, refuse new calls,
+        let in-flight ones finish, then run on_stop."""
+        await _run_callbacks(self.on_drain)
         await self.set_serving(False)
         await self.server.stop(grace)
-        for callback in self.on_stop:
-            result = callback()
-            if asyncio.iscoroutine(result):
-                await result
+        await _run_callbacks(self.on_stop)
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+async def _run_callbacks(callbacks: Iterable[Callable[[], object]]) -> None:
+    """Call each callback in order, awaiting those that return a coroutine."""
+    for callback in callbacks:
+        result = callback()
+        if asyncio.iscoroutine(result):
+            await result
 
 
 async def start_server(

@@ -100,3 +100,21 @@ async def test_append_does_not_wait_for_the_store(store):
     await store.flush()
     assert (await store.get_session("s2")).token_ids == [1, 2, 3, 4]
     assert store.write_errors == 0
+
+
+async def test_placement_takes_the_least_loaded_replica_without_counting_twice(store):
+    from coordinator.placement import Placer
+
+    await store.register("verifier", "a:1", 30.0, {"active_sessions": 2})  # self-registered: ours included
+    await store.register("verifier", "b:1", 30.0, {"active_sessions": 0})
+    await store.register("verifier", "c:1", 30.0)  # registered by a coordinator: no report
+    placer = Placer(store)
+    for _ in range(2):
+        placer.acquire("verifier", "a:1")  # the 2 sessions a:1 reports are ours
+    placer.acquire("verifier", "b:1")
+    placer.acquire("verifier", "c:1")
+    placer.acquire("verifier", "c:1")
+    assert await placer.choose("verifier") == "b:1"  # loads a 2, b 1, c 2 (a's not 4)
+    placer.acquire("verifier", "b:1")
+    assert {await placer.choose("verifier") for _ in range(4)} == {"a:1", "b:1", "c:1"}  # all tied at 2: rotate
+    assert await placer.choose("verifier", exclude=["a:1", "b:1"]) == "c:1"

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 
+from steerspec import registration
 from steerspec.errors import UsageError
 
 
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    registration.add_arguments(parser)
 
 
 def load_verifier(model: str, dtype: str, device: str, device_map=None):
@@ -70,6 +72,7 @@ async def _main(args) -> int:
 
         setup_tracing("steerspec-verifier", trace_file=args.trace_file)
         instrument_grpc()
+    await registration.check_reachable(args.redis_url)  # before the model loads
     model = load_verifier(args.model, args.dtype, args.device, args.device_map)
     head = load_head(args.steering_head, model.device) if args.steering_head else None
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
@@ -79,6 +82,8 @@ async def _main(args) -> int:
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
     servicer.config.replica = f"{socket.gethostname()}:{running.port}"
+    await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
+                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
     print(f"steerspec verifier serving {args.model} on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
     return 0
@@ -89,6 +94,7 @@ def run(args) -> int:
         raise UsageError("--max-sessions must be at least 1")
     if args.batch_window_ms < 0:
         raise UsageError("--batch-window-ms must be >= 0")
+    registration.check_args(args)
     if args.threads > 0:
         import torch
 
