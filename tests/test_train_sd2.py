@@ -50,6 +50,18 @@ def test_steering_sources_follow_the_inference_offsets():
     assert mask[0].tolist() == [False, False, False, True, True, False, False]
 
 
+def test_delta_offsets_uniform_by_default_and_geometric_on_request():
+    assert distill.delta_weights(4, 1.0) == [0.25] * 4
+    weights = distill.delta_weights(8, 0.5)
+    assert abs(sum(weights) - 1.0) < 1e-12 and all(a / b == 2.0 for a, b in zip(weights, weights[1:]))
+    draws = lambda decay: [distill._delta(step, 3, 8, decay) for step in range(4000)]
+    uniform, geometric = draws(1.0), draws(0.5)
+    assert set(uniform) == set(range(1, 9)) and set(geometric) <= set(range(1, 9))
+    assert abs(uniform.count(1) / 4000 - 1 / 8) < 0.03
+    assert abs(geometric.count(1) / 4000 - weights[0]) < 0.03  # about half the batches train δ = 1
+    assert draws(0.5) == geometric  # seeded per step: a resumed run draws the same offsets
+
+
 def test_sample_answers_is_seeded_and_stops_at_eos():
     verifier = tiny_llama(32, 4, 64, seed=0)
     prompts = [[3, 4, 5], [7]]
@@ -221,3 +233,13 @@ def test_bench_sd2_rejects_bad_services_flags(capsys):
         assert main(["bench", "sd2", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and flags[0] in err
+
+
+def test_train_sd2_rejects_a_bad_delta_decay(tmp_path, capsys):
+    from steerspec.cli import main
+
+    for value in ("0", "1.5", "-0.2"):
+        argv = ["train", "sd2", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--delta-decay", value]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--delta-decay" in err[0]

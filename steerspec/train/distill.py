@@ -126,6 +126,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     k: int = 8
+    delta_decay: float = 1.0  # P(δ) ∝ delta_decay^(δ−1): 1 = uniform (the paper), < 1 favours early positions
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 50
@@ -144,9 +145,21 @@ def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> List[int]:
     return order[slot * batch_size : (slot + 1) * batch_size]
 
 
-def _delta(step: int, seed: int, k: int) -> int:
+def delta_weights(k: int, decay: float) -> List[float]:
+    """P(δ) for δ = 1..k, ∝ decay^(δ−1): uniform at decay 1 (the paper); a decay near the acceptance
+    rate weights each offset by how much its acceptance moves τ (position δ counts only when the
+    δ−1 drafts before it were accepted)."""
+    weights = [decay ** i for i in range(k)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _delta(step: int, seed: int, k: int, decay: float = 1.0) -> int:
     """The batch's offset δ ∈ [1, k] (one per batch, as in the authors' code)."""
-    return random.Random(seed * 104729 + step).randint(1, k)
+    rng = random.Random(seed * 104729 + step)
+    if decay == 1.0:
+        return rng.randint(1, k)
+    return rng.choices(range(1, k + 1), weights=delta_weights(k, decay))[0]
 
 
 def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tensor, lengths: Tensor,
@@ -264,7 +277,7 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
         rows = _batch_indices(len(train_set), cfg.batch_size, step, cfg.seed)
         ids, lengths = pad_batch([train_set.sequences[i] for i in rows], pad_id)
         plens = torch.tensor([train_set.prompt_lens[i] for i in rows])
-        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, _delta(step, cfg.seed, cfg.k), cfg.bf16)
+        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, _delta(step, cfg.seed, cfg.k, cfg.delta_decay), cfg.bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = common.clip_grad([p for g in optimizer.param_groups for p in g["params"]], cfg.grad_clip)
@@ -338,7 +351,7 @@ def config_from_args(args, steer: bool) -> TrainConfig:
     return TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, steer_lr=getattr(args, "steer_lr", None),
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
-        k=getattr(args, "k", 8), val_fraction=args.val_fraction, eval_every=args.eval_every,
+        k=getattr(args, "k", 8), delta_decay=getattr(args, "delta_decay", 1.0), val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, bf16=args.bf16, max_minutes=args.max_minutes, steer=steer,
     )
 
@@ -386,7 +399,9 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
             "",
             "## Steering (SD²)",
             f"- verifier layers (hidden states entering them): {s['verifier_layers']}; W_hml {s['head_params']} params, "
-            f"W_s {s['ws_params']} params; one random offset δ ∈ [1, {r['config']['k']}] per batch",
+            f"W_s {s['ws_params']} params; one random offset δ ∈ [1, {r['config']['k']}] per batch, "
+            + ("uniform" if r['config'].get('delta_decay', 1.0) == 1.0
+               else f"P(δ) ∝ {r['config']['delta_decay']}^(δ−1)"),
             "- files: `steering.safetensors` (`head.*` = W_hml for the verifier, `drafter.*` = W_s), `steering.json`",
         ]
     return "\n".join(lines) + "\n"

@@ -21,6 +21,9 @@ from steerspec.train.synth import load_synthetic
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_common_arguments(parser, "runs/sd2")
     parser.add_argument("--k", type=int, default=8, help="largest training offset δ (the draft length)")
+    parser.add_argument("--delta-decay", type=float, default=1.0,
+                        help="P(δ) ∝ decay^(δ−1); 1 = uniform over [1, k] as in the paper, < 1 favours the early "
+                             "offsets that decide block efficiency")
     parser.add_argument("--steer-layers", default="auto",
                         help="verifier layers low,mid,high whose input hidden states feed W_hml (default 3, L/2, L-2 clamped)")
     parser.add_argument("--steer-lr", type=float, default=None, help="peak learning rate of W_hml and W_s (default --lr)")
@@ -32,6 +35,8 @@ def run(args) -> int:
 
     if args.k < 1:
         raise UsageError("--k must be at least 1")
+    if not 0.0 < args.delta_decay <= 1.0:
+        raise UsageError(f"--delta-decay must be in (0, 1], got {args.delta_decay}")
     torch.set_num_threads(max(1, args.threads))
     cfg = distill.config_from_args(args, steer=True)
     data = load_synthetic(args.data)
