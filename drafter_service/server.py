@@ -50,7 +50,7 @@ def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.Dra
 class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServicer):
     stream_spec = StreamSpec(stream="Draft", open_message="DraftOpen", request="DraftRequest", work="feedback",
                              open_failure="drafting failed", work_failure="drafting failed",
-                             error_reply=lambda code, message: _error(code, message))
+                             error_reply=_error)
 
     def __init__(self, model, config: DrafterConfig, hooks=None) -> None:
         self.model = model

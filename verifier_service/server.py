@@ -54,7 +54,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
 
     stream_spec = StreamSpec(stream="Verify", open_message="VerifyOpen", request="VerifyRequest", work="block",
                              open_failure="prefill failed", work_failure="verification failed",
-                             error_reply=lambda code, message: _error(code, message))
+                             error_reply=_error)
 
     def __init__(self, model, config: VerifierConfig, steering_head=None) -> None:
         self.model = model
