@@ -15,12 +15,13 @@ import pytest
 from coord_helpers import greedy_reference, kill, load_cached, spawn_service, wait_ready
 from coordinator.server import Coordinator, serve as serve_coordinator
 from coordinator.store import RedisStore
-from service_helpers import open_verifier
+from service_helpers import open_verifier, wait_for_stats as poll  # polls any async getter
 from steerspec.cli import main
 from steerspec.registration import advertised_address, announce
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc, verifier_pb2_grpc
 
 PROMPT = [5, 17, 42, 9]
+TTL_S = 1.5  # registry TTL of the shared replicas: heartbeats every 0.5 s, slack for a loaded 2-core CI box
 
 
 @pytest.fixture
@@ -53,22 +54,12 @@ async def start_replica(kind: str, model_dir, redis_url: str, prefix: str, ttl_s
 
 @pytest.fixture
 async def replicas(tiny_pair, redis_url, prefix):
-    """A registered verifier and drafter (TTL 0.6 s: heartbeats every 0.2 s); stopped afterwards."""
-    started = [await start_replica(kind, model_dir, redis_url, prefix, ttl_s=0.6)
+    """A registered verifier and drafter (TTL 1.5 s: heartbeats every 0.5 s); stopped afterwards."""
+    started = [await start_replica(kind, model_dir, redis_url, prefix, ttl_s=TTL_S)
                for kind, model_dir in zip(("verifier", "drafter"), tiny_pair)]
     yield started
     for running, _ in started:
         await running.stop(grace=0.5)
-
-
-async def poll(fetch, predicate, timeout_s: float):
-    """Call `fetch` every 20 ms until predicate(result) holds or `timeout_s` passes; the last result."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await fetch()
-        if predicate(result) or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(0.02)
 
 
 def addresses(endpoints) -> list:
@@ -104,11 +95,13 @@ async def test_entries_carry_active_sessions(replicas, registry):
     async with grpc.aio.insecure_channel(verifier.target) as channel:
         call, opened = await open_verifier(verifier_pb2_grpc.VerifierServiceStub(channel), PROMPT)
         assert opened.WhichOneof("kind") == "ready", opened
-        live = await poll(lambda: registry.live("verifier"), lambda es: es and es[0].meta["active_sessions"] == 1, 2.0)
+        live = await poll(lambda: registry.live("verifier"),
+                          lambda es: es and es[0].meta["active_sessions"] == 1, 4 * TTL_S)
         assert live[0].meta == {"active_sessions": 1}
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
-    live = await poll(lambda: registry.live("verifier"), lambda es: es and es[0].meta["active_sessions"] == 0, 2.0)
+    live = await poll(lambda: registry.live("verifier"),
+                      lambda es: es and es[0].meta["active_sessions"] == 0, 4 * TTL_S)
     assert live[0].meta == {"active_sessions": 0}
 
 
@@ -136,13 +129,13 @@ async def test_graceful_stop_withdraws_before_draining(tiny_pair, redis_url, pre
 
 async def test_replica_that_stops_heartbeating_expires_after_its_ttl(replicas, registry):
     (verifier, registration), (drafter, _) = replicas
-    await asyncio.sleep(1.0)  # past the 0.6 s TTL: alive thanks to the heartbeats
+    await asyncio.sleep(1.5 * TTL_S)  # past the TTL: alive thanks to the heartbeats
     assert addresses(await registry.live("verifier")) == [verifier.target]
     registration.task.cancel()  # as if the process froze or died: no withdrawal
     cancelled = time.monotonic()
     assert addresses(await registry.live("verifier")) == [verifier.target]
-    live = await poll(lambda: registry.live("verifier"), lambda es: not es, 3.0)
-    assert live == [] and time.monotonic() - cancelled < 2.0
+    live = await poll(lambda: registry.live("verifier"), lambda es: not es, 3 * TTL_S)
+    assert live == [] and time.monotonic() - cancelled < TTL_S + 1.0
     assert addresses(await registry.live("drafter")) == [drafter.target]  # the other one still heartbeats
 
 
