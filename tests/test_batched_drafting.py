@@ -113,23 +113,22 @@ def test_batched_extend_falls_back_to_per_row_extend(drafter_model):
     vocab = drafter_model.config.vocab_size
     prompts = _prompts(vocab, [4, 9])
     tokens = torch.tensor([7, 11])
-    hf, hf_alone = [CachedLM(drafter_model) for _ in prompts], [CachedLM(drafter_model) for _ in prompts]
-    for lm, twin, prompt in zip(hf, hf_alone, prompts):
-        lm.extend(prompt)
-        twin.extend(prompt)
-    assert not can_batch(hf)
-    want = torch.cat([twin.extend(tokens[i : i + 1]).logits for i, twin in enumerate(hf_alone)])
-    assert torch.equal(batched_extend(hf, tokens), want)
 
-    fast, fast_alone = [FastCachedLM(drafter_model) for _ in prompts], [FastCachedLM(drafter_model) for _ in prompts]
-    handle = drafter_model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 0.5)
-    try:
-        for lm, twin, prompt in zip(fast, fast_alone, prompts):
+    def check_falls_back(backend):
+        """Rows of `backend` caches the fast path refuses give exactly each row's own extend."""
+        rows, alone = [backend(drafter_model) for _ in prompts], [backend(drafter_model) for _ in prompts]
+        for lm, twin, prompt in zip(rows, alone, prompts):
             lm.extend(prompt)
             twin.extend(prompt)
-        assert not can_batch(fast)
-        want = torch.cat([twin.extend(tokens[i : i + 1]).logits for i, twin in enumerate(fast_alone)])
-        assert torch.equal(batched_extend(fast, tokens), want)
+        assert not can_batch(rows)
+        want = torch.cat([twin.extend(tokens[i : i + 1]).logits for i, twin in enumerate(alone)])
+        assert torch.equal(batched_extend(rows, tokens), want)
+        return rows
+
+    check_falls_back(CachedLM)
+    handle = drafter_model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        fast = check_falls_back(FastCachedLM)
     finally:
         handle.remove()
     assert can_batch(fast)
