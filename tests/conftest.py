@@ -9,8 +9,12 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
+from steerspec import grpc_env
+
+grpc_env.apply()  # the same gRPC transport as the CLI; before any test module imports grpc
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "steerspec" / "assets"

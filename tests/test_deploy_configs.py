@@ -37,6 +37,21 @@ def test_kuberay_manifests_declare_custom_resources():
     assert job["kind"] == "RayJob" and "coordinator.ray_app" in job["spec"]["entrypoint"]
 
 
+def test_cluster_configs_select_the_same_grpc_transport_as_the_cli():
+    from steerspec.grpc_env import LEGACY_TCP_EXPERIMENTS
+
+    config = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = next(c for c in config[key] if "ray start" in c)
+        assert f"GRPC_EXPERIMENTS={LEGACY_TCP_EXPERIMENTS}" in start, key
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "kuberay" / "raycluster.yaml").read_text()) if d]
+    spec = next(d for d in docs if d["kind"] == "RayCluster")["spec"]
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for pod in pods:
+        env = {e["name"]: e["value"] for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert env["GRPC_EXPERIMENTS"] == LEGACY_TCP_EXPERIMENTS
+
+
 @pytest.mark.parametrize("name", ["otel-collector.yaml", "prometheus.yaml", "docker-compose.yaml",
                                   "grafana-datasources.yaml", "grafana-dashboards.yaml"])
 def test_observability_yaml_parses(name):

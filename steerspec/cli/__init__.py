@@ -7,6 +7,7 @@ import importlib
 import sys
 from typing import NoReturn, Sequence
 
+from steerspec import grpc_env
 from steerspec.errors import UsageError
 
 # Command modules; each defines `register(subparsers) -> None` and sets `func` on its parsers.
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
+    grpc_env.apply()  # before any command module imports grpc
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
