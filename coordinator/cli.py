@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     parser.add_argument("--verifier", default="", help="verifier replicas HOST:PORT[,HOST:PORT...]")
-    parser.add_argument("--drafter", default="", help="drafter replicas HOST:PORT[,HOST:PORT...]")
+    parser.add_argument("--drafter", default="", help="this coordinator's edge-local drafter replicas HOST:PORT[,HOST:PORT...]: sessions "
+                             "draft on these while one is live, else on any drafter in the registry")
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the registry and session checkpoints (default: in-process store); "
                              "replicas started with the same --redis-url are found there")

@@ -3,14 +3,17 @@
 Least loaded first: load is the number of sessions this coordinator has on the replica plus the
 `active_sessions` the replica last reported in its registry metadata (when it reports it); ties go
 round robin, so equal replicas share sessions evenly. Replicas that are not live in the registry,
-and those the caller excludes (seen failing), are skipped.
+and those the caller excludes (seen failing), are skipped. A kind can be pinned to preferred
+addresses: a coordinator given its edge-local drafters drafts on those while one is live, even
+when a shared registry also lists other edges' drafters (the only remote hop stays the
+verifier's), and falls back to any other live one when none of its own is left.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Collection, Dict, Iterable, Optional
 
 from coordinator.store import Store
 
@@ -20,8 +23,9 @@ class NoReplica(RuntimeError):
 
 
 class Placer:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, pinned: Optional[Dict[str, Collection[str]]] = None) -> None:
         self.store = store
+        self.pinned = {kind: frozenset(addresses) for kind, addresses in (pinned or {}).items() if addresses}
         self.in_use: Counter = Counter()  # (kind, address) -> sessions placed by this coordinator
         self._turn = itertools.count()
 
@@ -29,6 +33,8 @@ class Placer:
         """The least loaded live replica of `kind` not in `exclude`, or None."""
         skip = set(exclude)
         live = [e for e in await self.store.live(kind) if e.address not in skip]
+        preferred = [e for e in live if e.address in self.pinned.get(kind, ())]
+        live = preferred or live
         if not live:
             return None
 

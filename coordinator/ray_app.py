@@ -95,18 +95,30 @@ class _ModelServerActor(_ServerActor):
     service = ""  # "verifier" | "drafter": names the tracer's service
 
     def __init__(self, model: str, dtype: str, device: str, host: str, port: int, trace_file: Optional[str],
-                 num_threads: int, options: Optional[Dict[str, object]]) -> None:
+                 num_threads: int, options: Optional[Dict[str, object]], redis_url: Optional[str],
+                 heartbeat_ttl_s: float) -> None:
         self.model_name, self.dtype, self.device = model, dtype, device
         self.host, self.port, self.trace_file = host, port, trace_file
         self.num_threads = num_threads
         self.options = dict(options or {})
+        self.redis_url, self.heartbeat_ttl_s = redis_url, heartbeat_ttl_s
         self.servicer = None
 
     async def start(self) -> str:
+        """Load, serve, and (with a Redis URL) register in the endpoint registry like `steerspec serve`."""
         if self.running is None:
+            from steerspec.registration import announce
+
             _threads(self.num_threads)
             _setup_observability(f"steerspec-{self.service}", self.trace_file)
-            self.running, self.servicer = await self._serve(_bind_host(self.host))
+            running, servicer = await self._serve(_bind_host(self.host))
+            try:
+                await announce(running, self.service, load=lambda: len(servicer.table), redis_url=self.redis_url,
+                               ttl_s=self.heartbeat_ttl_s)
+            except BaseException:
+                await running.stop(grace=0)
+                raise
+            self.running, self.servicer = running, servicer
         return self.running.target
 
     async def _serve(self, host: str):
@@ -123,8 +135,10 @@ class VerifierActor(_ModelServerActor):
     def __init__(self, model: str = "verifier", dtype: str = "float32", device: str = "cpu",
                  host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
                  num_threads: int = 0, options: Optional[Dict[str, object]] = None,
+                 redis_url: Optional[str] = None, heartbeat_ttl_s: float = 5.0,
                  device_map: Optional[str] = None, steering_head: Optional[str] = None) -> None:
-        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options)
+        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options, redis_url,
+                         heartbeat_ttl_s)
         self.device_map, self.steering_head = device_map, steering_head
 
     async def _serve(self, host: str):
@@ -146,8 +160,10 @@ class DrafterActor(_ModelServerActor):
     def __init__(self, model: str = "pretrained", dtype: str = "float32", device: str = "cpu",
                  host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
                  num_threads: int = 0, options: Optional[Dict[str, object]] = None,
+                 redis_url: Optional[str] = None, heartbeat_ttl_s: float = 5.0,
                  steering: str = "auto") -> None:
-        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options)
+        super().__init__(model, dtype, device, host, port, trace_file, num_threads, options, redis_url,
+                         heartbeat_ttl_s)
         self.steering = steering
 
     async def _serve(self, host: str):
@@ -310,7 +326,8 @@ def deploy(
     initialised (``ray.init(address=...)``). Returns once every server answers with its address.
     """
     name = (lambda base: base) if detached else (lambda base: None)
-    common = dict(dtype=dtype, device=device, host=host, trace_file=trace_file, num_threads=num_threads)
+    common = dict(dtype=dtype, device=device, host=host, trace_file=trace_file, num_threads=num_threads,
+                  redis_url=redis_url)  # with Redis every replica registers itself (TTL heartbeats)
     v_actor = VerifierActor.options(**placement_options("verifier", num_gpus=verifier_gpus,
                                                         name=name("steerspec-verifier-0"), detached=detached)
                                     ).remote(model=verifier, port=verifier_port, device_map=device_map,

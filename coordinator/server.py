@@ -72,12 +72,13 @@ class Coordinator:
                  tracer=None, heartbeat_ttl_s: float = 5.0, defaults: Optional[Dict[str, object]] = None,
                  max_length: Optional[int] = None) -> None:
         self.store = store if store is not None else InProcessStore()
+        drafters = list(drafters)
         self.static = [("verifier", a) for a in verifiers] + [("drafter", a) for a in drafters]
         self.tokenizer = tokenizer
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
-        self.config = LoopConfig(placer=Placer(self.store), channels=self.channels, store=self.store,
+        self.config = LoopConfig(placer=Placer(self.store, pinned={"drafter": drafters}), channels=self.channels, store=self.store,
                                  link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
                                  metrics=metrics, tracer=tracer)
         self._heartbeats: List[asyncio.Task] = []

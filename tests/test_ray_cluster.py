@@ -41,7 +41,30 @@ def _node_with(resource: str) -> str:
     return nodes[0]["NodeID"]
 
 
-def test_actors_land_on_their_nodes_and_generate(two_node_cluster, tiny_pair, tmp_path):
+def _redis_or_none(request):
+    """The session's real redis-server when there is one: the deployment then self-registers."""
+    try:
+        return request.getfixturevalue("redis_url")
+    except pytest.skip.Exception:
+        return None
+
+
+def _registry(redis_url: str) -> dict:
+    """{kind: {address: meta}} of the live entries in the Redis endpoint registry."""
+    import asyncio
+
+    from coordinator.store import connect_redis
+
+    async def read():
+        store = await connect_redis(redis_url)
+        try:
+            return {kind: {e.address: e.meta for e in await store.live(kind)} for kind in ("verifier", "drafter")}
+        finally:
+            await store.close()
+    return asyncio.run(read())
+
+
+def test_actors_land_on_their_nodes_and_generate(two_node_cluster, tiny_pair, tmp_path, request):
     from coordinator.cli import eos_ids_of
     from coordinator.client import Client
     from coordinator.ray_app import deploy
@@ -52,9 +75,14 @@ def test_actors_land_on_their_nodes_and_generate(two_node_cluster, tiny_pair, tm
     edge_node, verifier_node = _node_with("edge"), _node_with("verifier")
     assert edge_node != verifier_node
     trace_file = tmp_path / "trace.jsonl"  # every actor appends its spans here
+    redis_url = _redis_or_none(request)
     deployment = deploy(verifier=str(verifier_dir), drafter=str(drafter_dir), drafters=1, num_threads=1,
-                        trace_file=str(trace_file), timeout=180)
+                        trace_file=str(trace_file), redis_url=redis_url, timeout=180)
     try:
+        if redis_url:  # the model actors registered themselves, with their load
+            registry = _registry(redis_url)
+            assert deployment.verifier_target in registry["verifier"]
+            assert deployment.drafter_targets[0] in registry["drafter"]
         nodes = deployment.nodes()
         assert nodes["verifier"] == [verifier_node]
         assert nodes["drafter"] == [edge_node]
@@ -78,6 +106,10 @@ def test_actors_land_on_their_nodes_and_generate(two_node_cluster, tiny_pair, tm
         _check_cross_process_trace(trace_file, summary, pids)
     finally:
         deployment.shutdown()
+    if redis_url:  # a graceful stop leaves the registry
+        registry = _registry(redis_url)
+        assert deployment.verifier_target not in registry["verifier"]
+        assert deployment.drafter_targets[0] not in registry["drafter"]
 
 
 def _check_cross_process_trace(trace_file, summary, pids) -> None:

@@ -118,3 +118,18 @@ async def test_placement_takes_the_least_loaded_replica_without_counting_twice(s
     placer.acquire("verifier", "b:1")
     assert {await placer.choose("verifier") for _ in range(4)} == {"a:1", "b:1", "c:1"}  # all tied at 2: rotate
     assert await placer.choose("verifier", exclude=["a:1", "b:1"]) == "c:1"
+
+
+async def test_pinned_drafters_keep_a_coordinator_on_its_own_edge_while_one_is_live(store):
+    from coordinator.placement import Placer
+
+    for address, sessions in (("edge-a:1", 3), ("edge-a:2", 5), ("edge-b:1", 0)):
+        await store.register("drafter", address, 30.0, {"active_sessions": sessions})
+    await store.register("verifier", "v:1", 30.0)
+    placer = Placer(store, pinned={"drafter": ["edge-a:1", "edge-a:2"], "verifier": []})
+    assert await placer.choose("drafter") == "edge-a:1"  # edge-b:1 is idle but another edge's
+    assert await placer.choose("drafter", exclude=["edge-a:1"]) == "edge-a:2"
+    assert await placer.choose("drafter", exclude=["edge-a:1", "edge-a:2"]) == "edge-b:1"  # none of ours left
+    assert await placer.choose("drafter", exclude=["edge-a:1", "edge-a:2", "edge-b:1"]) is None  # verifier-only
+    assert await placer.choose("verifier") == "v:1"  # an empty pin is no pin
+    assert await Placer(store).choose("drafter") == "edge-b:1"  # unpinned: any registered drafter
