@@ -62,6 +62,29 @@ def test_delta_offsets_uniform_by_default_and_geometric_on_request():
     assert draws(0.5) == geometric  # seeded per step: a resumed run draws the same offsets
 
 
+def test_block_sources_steer_each_simulated_block_from_the_position_before_it():
+    import random
+
+    plens, width, k = torch.tensor([4, 1, 9]), 40, 5
+    source, steered = distill.block_steering_sources(plens, width, k, 0.6, random.Random(7))
+    again, _ = distill.block_steering_sources(plens, width, k, 0.6, random.Random(7))
+    assert torch.equal(source, again)  # seeded: a resumed run draws the same blocks
+    assert torch.equal(steered, distill.steering_sources(plens, width, 1)[1])  # prompt positions unsteered
+    sizes = []
+    for row, plen in enumerate(plens.tolist()):
+        pos, run = plen - 1, source[row, plen - 1:].tolist()
+        assert run[0] == plen - 2 if plen > 1 else run[0] == -1  # the first block: the prefill's vector
+        while run:
+            size = run.count(run[0])
+            assert run[:size] == [max(pos - 1, -1)] * size  # one block, steered from just before it
+            sizes.append(size)
+            pos, run = pos + size, run[size:]
+    assert max(sizes) <= k and min(sizes) >= 1 and len(set(sizes)) > 1
+    # accept = 0: every block is one position, i.e. the paper's δ = 1 everywhere
+    zero, _ = distill.block_steering_sources(plens, width, k, 0.0, random.Random(7))
+    assert torch.equal(zero, distill.steering_sources(plens, width, 1)[0])
+
+
 def test_sample_answers_is_seeded_and_stops_at_eos():
     verifier = tiny_llama(32, 4, 64, seed=0)
     prompts = [[3, 4, 5], [7]]
@@ -235,7 +258,7 @@ def test_bench_sd2_rejects_bad_services_flags(capsys):
         assert err.count("\n") == 1 and flags[0] in err
 
 
-def test_train_sd2_rejects_a_bad_delta_decay(tmp_path, capsys):
+def test_train_sd2_rejects_bad_offset_flags(tmp_path, capsys):
     from steerspec.cli import main
 
     for value in ("0", "1.5", "-0.2"):
@@ -243,3 +266,8 @@ def test_train_sd2_rejects_a_bad_delta_decay(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--delta-decay" in err[0]
+    for value in ("1", "-0.1", "nan"):
+        argv = ["train", "sd2", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--block-accept", value]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--block-accept" in err[0]

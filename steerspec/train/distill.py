@@ -19,8 +19,9 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,30 @@ def steering_sources(prompt_lens: Tensor, width: int, delta: int) -> Tuple[Tenso
     return source.expand(len(prompt_lens), width), steered.expand(len(prompt_lens), width)
 
 
+def block_steering_sources(prompt_lens: Tensor, width: int, k: int, accept: float,
+                           rng: random.Random) -> Tuple[Tensor, Tensor]:
+    """Sources as decoding produces them: the answer is cut into blocks and every position of a
+    block is steered by the vector of the position just before the block starts.
+
+    A block keeps 1 + j positions, j the drafts accepted in it (j ≥ i with probability accept^i,
+    capped so a block never exceeds k positions): the offsets inside a block are 1, 2, …, as at
+    inference, and the context a position attends to was steered by its own block's older vector,
+    also as at inference. The first block starts at P−1 with the prefill's vector (P−2); prompt
+    positions stay unsteered. Returns (source [B, T], steered mask [B, T]) like `steering_sources`.
+    """
+    source, steered = steering_sources(prompt_lens, width, 1)
+    source = source.clone()
+    for row, plen in enumerate(prompt_lens.tolist()):
+        start = plen - 1
+        while start < width:
+            size = 1
+            while size < k and rng.random() < accept:
+                size += 1
+            source[row, start:start + size] = max(start - 1, -1)
+            start += size
+    return source, steered
+
+
 def gather_steering(head, hidden_states, source: Tensor) -> Tensor:
     """g [B, T, d_V] from the verifier's hidden states at the `source` positions (−1 = zeros)."""
     with torch.no_grad():
@@ -127,6 +152,7 @@ class TrainConfig:
     seed: int = 0
     k: int = 8
     delta_decay: float = 1.0  # P(δ) ∝ delta_decay^(δ−1): 1 = uniform (the paper), < 1 favours early positions
+    block_accept: Optional[float] = None  # set: offsets from simulated blocks (block_steering_sources)
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 50
@@ -162,9 +188,22 @@ def _delta(step: int, seed: int, k: int, decay: float = 1.0) -> int:
     return rng.choices(range(1, k + 1), weights=delta_weights(k, decay))[0]
 
 
+Sources = Callable[[Tensor, int], Tuple[Tensor, Tensor]]
+
+
+def training_sources(step: int, cfg: TrainConfig) -> Sources:
+    """How training step `step` picks steering sources: one offset δ for the batch (the paper), or
+    simulated blocks with `--block-accept`; seeded by (seed, step) so a resumed run draws the same."""
+    if cfg.block_accept is None:
+        return partial(steering_sources, delta=_delta(step, cfg.seed, cfg.k, cfg.delta_decay))
+    rng = random.Random(cfg.seed * 104729 + step)
+    return partial(block_steering_sources, k=cfg.k, accept=cfg.block_accept, rng=rng)
+
+
 def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tensor, lengths: Tensor,
-               delta: int, bf16: bool = False) -> Tuple[Tensor, Tensor]:
-    """Forward KL on one batch (and the mean overlap Σ min(p, q)); steering when the bundle has it."""
+               sources: Sources, bf16: bool = False) -> Tuple[Tensor, Tensor]:
+    """Forward KL on one batch (and the mean overlap Σ min(p, q)); steering when the bundle has it,
+    with `sources(prompt_lens, width)` naming the verifier position that steers each position."""
     width = ids.shape[1]
     mask = answer_mask(plens, lengths, width)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -172,7 +211,7 @@ def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tenso
         vout = verifier(input_ids=ids, output_hidden_states=bundle.steered)
     v_logits = vout.logits
     if bundle.steered:
-        source, steered = steering_sources(plens, width, delta)
+        source, steered = sources(plens, width)
         g = gather_steering(bundle.head, vout.hidden_states, source)
         hooks.set_vector(g, steered)
     try:
@@ -199,7 +238,8 @@ def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: Tr
         rows = list(range(start, min(n, start + cfg.batch_size)))
         ids, lengths = pad_batch([data.sequences[i] for i in rows], pad_id)
         plens = torch.tensor([data.prompt_lens[i] for i in rows])
-        kl, ov = batch_loss(bundle, hooks, verifier, ids, plens, lengths, delta=(b % cfg.k) + 1, bf16=cfg.bf16)
+        kl, ov = batch_loss(bundle, hooks, verifier, ids, plens, lengths,
+                            partial(steering_sources, delta=(b % cfg.k) + 1), bf16=cfg.bf16)
         total_kl += float(kl)
         total_ov += float(ov)
         count += 1
@@ -277,7 +317,7 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
         rows = _batch_indices(len(train_set), cfg.batch_size, step, cfg.seed)
         ids, lengths = pad_batch([train_set.sequences[i] for i in rows], pad_id)
         plens = torch.tensor([train_set.prompt_lens[i] for i in rows])
-        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, _delta(step, cfg.seed, cfg.k, cfg.delta_decay), cfg.bf16)
+        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, training_sources(step, cfg), cfg.bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = common.clip_grad([p for g in optimizer.param_groups for p in g["params"]], cfg.grad_clip)
@@ -339,6 +379,17 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> N
     parser.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint.pt after finishing")
 
 
+def _offsets_text(config: Dict) -> str:
+    """How the training run drew its steering offsets, for the model card."""
+    k = config["k"]
+    if config.get("block_accept") is not None:
+        return (f"offsets from simulated blocks of ≤ {k} positions, each position past the first kept "
+                f"with probability {config['block_accept']}")
+    if config.get("delta_decay", 1.0) == 1.0:
+        return f"one random offset δ ∈ [1, {k}] per batch, uniform"
+    return f"one random offset δ ∈ [1, {k}] per batch, P(δ) ∝ {config['delta_decay']}^(δ−1)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "runs/distilled")
 
@@ -351,7 +402,8 @@ def config_from_args(args, steer: bool) -> TrainConfig:
     return TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, steer_lr=getattr(args, "steer_lr", None),
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
-        k=getattr(args, "k", 8), delta_decay=getattr(args, "delta_decay", 1.0), val_fraction=args.val_fraction, eval_every=args.eval_every,
+        k=getattr(args, "k", 8), delta_decay=getattr(args, "delta_decay", 1.0),
+        block_accept=getattr(args, "block_accept", None), val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, bf16=args.bf16, max_minutes=args.max_minutes, steer=steer,
     )
 
@@ -399,9 +451,7 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
             "",
             "## Steering (SD²)",
             f"- verifier layers (hidden states entering them): {s['verifier_layers']}; W_hml {s['head_params']} params, "
-            f"W_s {s['ws_params']} params; one random offset δ ∈ [1, {r['config']['k']}] per batch, "
-            + ("uniform" if r['config'].get('delta_decay', 1.0) == 1.0
-               else f"P(δ) ∝ {r['config']['delta_decay']}^(δ−1)"),
+            f"W_s {s['ws_params']} params; " + _offsets_text(r['config']),
             "- files: `steering.safetensors` (`head.*` = W_hml for the verifier, `drafter.*` = W_s), `steering.json`",
         ]
     return "\n".join(lines) + "\n"

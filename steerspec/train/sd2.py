@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta-decay", type=float, default=1.0,
                         help="P(δ) ∝ decay^(δ−1); 1 = uniform over [1, k] as in the paper, < 1 favours the early "
                              "offsets that decide block efficiency")
+    parser.add_argument("--block-accept", type=float, default=None,
+                        help="draw offsets from simulated decoding blocks instead of one δ per batch: each "
+                             "block of ≤ k positions is steered by the vector just before it, and grows past "
+                             "its first position with this probability (about the drafter's acceptance rate)")
     parser.add_argument("--steer-layers", default="auto",
                         help="verifier layers low,mid,high whose input hidden states feed W_hml (default 3, L/2, L-2 clamped)")
     parser.add_argument("--steer-lr", type=float, default=None, help="peak learning rate of W_hml and W_s (default --lr)")
@@ -37,6 +41,8 @@ def run(args) -> int:
         raise UsageError("--k must be at least 1")
     if not 0.0 < args.delta_decay <= 1.0:
         raise UsageError(f"--delta-decay must be in (0, 1], got {args.delta_decay}")
+    if args.block_accept is not None and not 0.0 <= args.block_accept < 1.0:
+        raise UsageError(f"--block-accept must be in [0, 1), got {args.block_accept}")
     torch.set_num_threads(max(1, args.threads))
     cfg = distill.config_from_args(args, steer=True)
     data = load_synthetic(args.data)
