@@ -44,3 +44,25 @@ def test_the_cli_sets_the_transport_before_grpc_is_first_imported():
     assert out.returncode == 0, out.stderr
     value, code = out.stdout.split()
     assert value == repr(grpc_env.LEGACY_TCP_EXPERIMENTS) and code == "2"
+
+
+def test_bench_hop_measures_both_transports_in_their_own_processes(tmp_path, capsys):
+    import json
+
+    from steerspec.bench.hop import child_env
+    from steerspec.cli import main
+
+    assert "GRPC_EXPERIMENTS" not in child_env("event_engine")
+    assert child_env("iomgr")["GRPC_EXPERIMENTS"] == grpc_env.LEGACY_TCP_EXPERIMENTS
+    out = tmp_path / "hop.json"
+    assert main(["bench", "hop", "--idle-ms", "0,2", "--messages", "5", "--repeats", "1",
+                 "--payload-bytes", "100", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["idle_ms"] for r in report["rows"]] == [0.0, 2.0]
+    for row in report["rows"]:
+        for transport in ("event_engine", "iomgr"):
+            assert 0 < row[transport]["median_us"] <= row[transport]["p90_us"] < 1e6
+    assert "iomgr" in capsys.readouterr().out
+    for flags in (["--idle-ms", "x"], ["--idle-ms", "-1"], ["--messages", "0"], ["--out", "/no/such/dir/h.json"]):
+        assert main(["bench", "hop", *flags]) == 2
+        assert capsys.readouterr().err.count("\n") == 1

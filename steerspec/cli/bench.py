@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|sd2`: benchmarks that print a table and write JSON."""
+"""`steerspec bench engine|remote|sd2|hop`: benchmarks that print a table and write JSON."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -6,6 +6,7 @@ COMMANDS = (
     ("engine", "steerspec.bench.engine", "in-process engine vs verifier alone vs transformers assisted generation"),
     ("remote", "steerspec.bench.remote", "distributed path over an emulated remote link"),
     ("sd2", "steerspec.bench.sd2", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
+    ("hop", "steerspec.bench.hop", "one gRPC hop after idle under grpc's two TCP transports"),
 )
 
 
