@@ -1,7 +1,8 @@
 """Placement: pick a drafter and a verifier replica for a session from the registry.
 
-Least loaded first: load is the number of sessions this coordinator has on the replica plus the
-`active_sessions` the replica last reported in its registry metadata (when it reports it); ties go
+Least loaded first: load is the larger of the number of sessions this coordinator has on the
+replica and the `active_sessions` the replica last reported in its registry metadata (when it
+reports it: that count includes ours, so adding would count them twice); ties go
 round robin, so equal replicas share sessions evenly. Replicas that are not live in the registry,
 and those the caller excludes (seen failing), are skipped. A kind can be pinned to preferred
 addresses: a coordinator given its edge-local drafters drafts on those while one is live, even
