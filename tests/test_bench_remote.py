@@ -27,6 +27,13 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert plot.stat().st_size > 0
     assert [r["rtt_ms"] for r in report["rows"]] == [0.0, 20.0]
+    import os
+
+    from steerspec.grpc_env import tuned_env
+
+    # the transport this run used: conftest selects iomgr as the CLI does, unless the environment chose
+    assert report["machine"]["grpc_experiments"] == os.environ.get("GRPC_EXPERIMENTS", "")
+    assert tuned_env() == {}  # conftest has applied the selection already
     for row in report["rows"]:
         ar, sd = row["autoregressive"], row["speculative"]
         assert 1 <= ar["generated_tokens"] <= 6 and 1 <= sd["generated_tokens"] <= 6

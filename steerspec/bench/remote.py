@@ -568,7 +568,8 @@ def run(args: argparse.Namespace) -> int:
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                    "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", "")},  # the TCP transport (grpc_env)
         "elapsed_s": None,
         **measured,
     }
