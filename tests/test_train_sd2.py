@@ -252,7 +252,8 @@ def test_bench_sd2_services_column(tmp_path, tiny_pair, capsys):
 def test_bench_sd2_rejects_bad_services_flags(capsys):
     from steerspec.cli import main
 
-    for flags in (["--services-rtt-ms", "-5"], ["--services-rtt-ms", "inf"], ["--services-prompts", "0"]):
+    for flags in (["--services-rtt-ms", "-5"], ["--services-rtt-ms", "inf"], ["--services-prompts", "0"],
+                  ["--steering-repeats", "0"]):
         assert main(["bench", "sd2", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and flags[0] in err

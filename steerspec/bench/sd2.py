@@ -100,7 +100,7 @@ def load_prompts(set_name: str, eval_dir: Optional[Path], limit: int) -> List[st
     return prompts[:limit] if limit > 0 else prompts
 
 
-def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 40) -> Dict:
+def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 200) -> Dict:
     """Drafting time of one k-token block with and without the SD² steering, same drafter, same text.
 
     Steered = what the drafter does per block: decode the fp16 vector it received, compute the
@@ -183,6 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=64)
     parser.add_argument("--no-greedy", action="store_true", help="skip the T=0 run")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--steering-repeats", type=int, default=200,
+                        help="steered/plain block pairs timed for the steering cost (a ±1%% figure needs ~200)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_sd2.json"), help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help="PNG bar chart (default: OUT with .png)")
     parser.add_argument("--services-rtt-ms", type=float, default=DEFAULT_SERVICES_RTT_MS,
@@ -294,6 +296,8 @@ def run(args) -> int:
         raise UsageError("need at least one drafter, one eval set and one seed")
     if not 1 <= args.k <= 64:
         raise UsageError(f"--k must be in [1, 64], got {args.k}")
+    if args.steering_repeats < 1:
+        raise UsageError(f"--steering-repeats must be at least 1, got {args.steering_repeats}")
     vdir = resolve_model_dir(args.verifier)
     verifier = CachedLM(load_model(vdir))
     tok = load_tokenizer(vdir)
@@ -385,7 +389,7 @@ def run(args) -> int:
         cached, steer = drafters[label]
         if steer is not None:
             first = prompts[sets[0]][0]
-            steer_info[label] = steering_overhead(verifier, cached, steer, first, args.k)
+            steer_info[label] = steering_overhead(verifier, cached, steer, first, args.k, args.steering_repeats)
             steer_info[label]["bytes_per_reply"] = steer.bytes_per_reply
             steer_info[label]["verifier_layers"] = steer.verifier_layers
 
