@@ -100,11 +100,14 @@ def load_prompts(set_name: str, eval_dir: Optional[Path], limit: int) -> List[st
     return prompts[:limit] if limit > 0 else prompts
 
 
-def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 200) -> Dict:
+def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int], k: int, repeats: int = 200,
+                      temperature: float = 1.0, draft_top_k: int = 64) -> Dict:
     """Drafting time of one k-token block with and without the SD² steering, same drafter, same text.
 
     Steered = what the drafter does per block: decode the fp16 vector it received, compute the
-    W_s biases, and run k steered forward passes; plain = the same k forward passes unsteered.
+    W_s biases, and run k steered drafting steps; plain = the same k steps unsteered. Both draft
+    as the target's regime does (T=1 with the draft top-k: sample, keep the sparse q), each block
+    from the same seeded generator.
     W_hml runs on the verifier (part of its verify time there), so it is timed separately as
     `head_ms`. Runs in pairs whose order alternates (so load drifts hit both alike);
     overhead = median over pairs of steered / plain − 1.
@@ -116,7 +119,8 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
     from steerspec.steering.runtime import steering_vector
 
     verifier = as_cached(verifier)
-    cfg = DecodeConfig(max_new_tokens=k + 1, sampling=SamplingParams(temperature=0.0))
+    cfg = DecodeConfig(max_new_tokens=k + 1, sampling=SamplingParams(temperature=temperature),
+                       draft_top_k=draft_top_k)
     committed = list(prompt_ids)
     hidden = prefill(verifier, committed, steer.verifier_layers)
     drafter_cached.reset()
@@ -139,7 +143,7 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
             g = vector_from_bytes(wire).to(device)
             steer.hooks.set_vector(g.unsqueeze(0), steer_prefix=True)
         t1 = time.perf_counter()
-        draft_block(drafter_cached, committed, k, cfg)
+        draft_block(drafter_cached, committed, k, cfg, torch.Generator().manual_seed(0))
         t2 = time.perf_counter()
         steer.hooks.clear()
         return t2 - t0, t1 - t0
@@ -147,7 +151,7 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
     def plain_block() -> float:
         drafter_cached.rollback(base)
         t0 = time.perf_counter()
-        draft_block(drafter_cached, committed, k, cfg)
+        draft_block(drafter_cached, committed, k, cfg, torch.Generator().manual_seed(0))
         return time.perf_counter() - t0
 
     steered_block(), plain_block()  # warm-up
@@ -167,7 +171,8 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
             "head_ms": round(head_ms * 1e3, 4),
             "plain_block_ms": round(statistics.median(plain) * 1e3, 3),
             "begin_block_ms": round(statistics.median(begin) * 1e3, 4),
-            "overhead_pct": round(100.0 * (statistics.median(ratios) - 1.0), 2), "repeats": repeats, "k": k}
+            "overhead_pct": round(100.0 * (statistics.median(ratios) - 1.0), 2), "repeats": repeats, "k": k,
+            "temperature": temperature, "draft_top_k": draft_top_k}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,7 +394,8 @@ def run(args) -> int:
         cached, steer = drafters[label]
         if steer is not None:
             first = prompts[sets[0]][0]
-            steer_info[label] = steering_overhead(verifier, cached, steer, first, args.k, args.steering_repeats)
+            steer_info[label] = steering_overhead(verifier, cached, steer, first, args.k, args.steering_repeats,
+                                                  draft_top_k=args.draft_top_k)
             steer_info[label]["bytes_per_reply"] = steer.bytes_per_reply
             steer_info[label]["verifier_layers"] = steer.verifier_layers
 
@@ -417,7 +423,7 @@ def run(args) -> int:
         print(services_note(args, prompts, seeds[0]))
     for label, info in steer_info.items():
         print(f"steering ({label}): +{info['overhead_pct']:.1f}% drafting time per block "
-              f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']}), "
+              f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']} at T={info['temperature']:g}, draft top-k {info['draft_top_k']}), "
               f"{info['bytes_per_reply']} bytes per reply; W_hml on the verifier {info['head_ms']:.3f} ms per reply")
     for name, t in targets.items():
         print(f"target {name}: {'PASS' if t['pass'] else 'FAIL'} ({t['detail']})")
