@@ -294,16 +294,16 @@ class FastCachedLM(CachedLM):
             else:
                 x = x + linear(o, *plan[6])
                 h = rms_norm(x, *plan[2])
-                up = linear(h, *plan[10])
+                up = linear(h, *plan[10])  # a fresh tensor: the SD² biases are added in place
                 if bias is not None:
-                    up = up + bias
+                    up += bias
                 if steering is not None:  # SD² hooks on up_proj, applied here instead of through the module
                     add, last_only = steering.fast_up_bias(index)
                     if add is not None:
                         if last_only and n > 1:
                             up[:, -1:] += add
                         else:
-                            up = up + add
+                            up += add
                 x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
         self.length = end
         if logits_to_keep:

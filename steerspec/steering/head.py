@@ -7,6 +7,7 @@ verifier layers at the position whose logits produced the last committed token. 
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -66,6 +67,8 @@ def vector_from_bytes(data: bytes, hidden_size: int | None = None) -> Tensor:
         raise ValueError(f"a float16 steering vector has an even number of bytes, got {len(data)}")
     if hidden_size is not None and len(data) != 2 * hidden_size:
         raise ValueError(f"steering vector has {len(data) // 2} values, expected {hidden_size}")
+    if sys.byteorder == "little":  # one torch op, no numpy round trip (this runs once per block)
+        return torch.frombuffer(bytearray(data), dtype=torch.float16).float()
     import numpy as np
 
     return torch.from_numpy(np.frombuffer(data, dtype="<f2").astype("float32"))
