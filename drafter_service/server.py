@@ -98,9 +98,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             self.table.close(session)
             raise
 
-    def touch(self, session: DrafterSession) -> None:
-        session.last_active = time.monotonic()
-
     def close_session(self, session: DrafterSession) -> None:
         self.table.close(session)
 

@@ -102,6 +102,9 @@ class DrafterSession:
     def greedy(self) -> bool:
         return self.params.greedy
 
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
     @property
     def generated(self) -> int:
         return len(self.committed) - self.open_length

@@ -8,7 +8,8 @@
                    for longer than its idle timeout is aborted with DEADLINE_EXCEEDED.
 
 A servicer subclasses `SessionStreamServicer`, names its messages in a `StreamSpec` and implements
-`open_session`, `handle`, `touch` and `close_session`; its gRPC method calls `serve_session`.
+`open_session`, `handle` and `close_session`; its sessions have `session_id` and `touch()` (restart
+the idle clock). Its gRPC method calls `serve_session`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class StreamSpec:
 
 
 class SessionStreamServicer:
-    """One session per bidirectional stream: the loop of the module docstring over four hooks."""
+    """One session per bidirectional stream: the loop of the module docstring over three hooks."""
 
     stream_spec: StreamSpec
     idle_timeout_s: float = 0.0  # 0 = sessions never expire
@@ -52,10 +53,6 @@ class SessionStreamServicer:
 
     async def handle(self, session, msg) -> Optional[Any]:
         """The reply to one work message (None: nothing to send)."""
-        raise NotImplementedError
-
-    def touch(self, session) -> None:
-        """The session was active now (its idle clock restarts)."""
         raise NotImplementedError
 
     def close_session(self, session) -> None:
@@ -108,7 +105,7 @@ class SessionStreamServicer:
                 else:
                     reply = spec.error_reply(grpc.StatusCode.INVALID_ARGUMENT,
                                              f"empty {spec.request}: set one of open, {spec.work} or close")
-                self.touch(session)
+                session.touch()
                 if reply is not None:
                     await context.write(reply)
         finally:

@@ -106,9 +106,6 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         session, ready = await self._open(msg)
         return session, verifier_pb2.VerifyResponse(ready=ready)
 
-    def touch(self, session: VerifierSession) -> None:
-        session.touch()
-
     def close_session(self, session: VerifierSession) -> None:
         self.table.close(session)
 
