@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     parser.add_argument("--verifier", default="", help="verifier replicas HOST:PORT[,HOST:PORT...]")
-    parser.add_argument("--drafter", default="", help="this coordinator's edge-local drafter replicas HOST:PORT[,HOST:PORT...]: sessions "
+    parser.add_argument("--drafter", default="",
+                        help="this coordinator's edge-local drafter replicas HOST:PORT[,HOST:PORT...]: sessions "
                              "draft on these while one is live, else on any drafter in the registry")
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the registry and session checkpoints (default: in-process store); "
@@ -81,7 +82,7 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
 
 async def _main(args) -> int:
     from coordinator.server import Coordinator, serve
-    from coordinator.store import InProcessStore, connect_redis
+    from coordinator.store import open_store
     from steerspec.grpc_common import serve_until_signal
     from steerspec.linkemu import LinkModel
 
@@ -103,7 +104,7 @@ async def _main(args) -> int:
     max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
     link = LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
                      seed=args.link_seed).validate()
-    store = await connect_redis(args.redis_url) if args.redis_url else InProcessStore()
+    store = await open_store(args.redis_url)
     coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,

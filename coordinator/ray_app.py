@@ -198,7 +198,7 @@ class CoordinatorActor(_ServerActor):
             return self.running.target
         from coordinator.cli import load_tokenizer_and_eos
         from coordinator.server import Coordinator, serve
-        from coordinator.store import make_store
+        from coordinator.store import open_store
         from steerspec.linkemu import LinkModel
 
         host = _bind_host(self.host)
@@ -215,7 +215,8 @@ class CoordinatorActor(_ServerActor):
             self.metrics_server, port = start_metrics_server(self.metrics_port, metrics.registry, addr=host)
             self.metrics_address = f"{host}:{port}"
         tokenizer, eos = load_tokenizer_and_eos(self.tokenizer_name)
-        coordinator = Coordinator(store=make_store(self.redis_url), verifiers=self.verifiers, drafters=self.drafters,
+        coordinator = Coordinator(store=await open_store(self.redis_url), verifiers=self.verifiers,
+                                  drafters=self.drafters,
                                   link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s)
         self.running = await serve(coordinator, host=host, port=self.port)

@@ -78,8 +78,8 @@ class Coordinator:
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
-        self.config = LoopConfig(placer=Placer(self.store, pinned={"drafter": drafters}), channels=self.channels, store=self.store,
-                                 link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
+        self.config = LoopConfig(placer=Placer(self.store, pinned={"drafter": drafters}), channels=self.channels,
+                                 store=self.store, link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
                                  metrics=metrics, tracer=tracer)
         self._heartbeats: List[asyncio.Task] = []
 

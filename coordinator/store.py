@@ -270,11 +270,6 @@ class RedisStore(Store):
         await self._redis.aclose()
 
 
-def make_store(redis_url: Optional[str]) -> Store:
-    """`RedisStore(url)` when a URL is given, else the embedded `InProcessStore`."""
-    return RedisStore(redis_url) if redis_url else InProcessStore()
-
-
 async def connect_redis(url: str, prefix: str = "steerspec:", timeout_s: float = 5.0) -> RedisStore:
     """A `RedisStore` that answered PING; UsageError (one line) when the URL is bad or Redis does not answer."""
     from steerspec.errors import UsageError
@@ -291,6 +286,11 @@ async def connect_redis(url: str, prefix: str = "steerspec:", timeout_s: float =
         raise UsageError(f"cannot reach Redis at {url}: {reason} (start redis-server there or fix --redis-url)") \
             from None
     return store
+
+
+async def open_store(redis_url: Optional[str]) -> Store:
+    """`connect_redis(url)` (answered PING) when a URL is given, else the embedded `InProcessStore`."""
+    return await connect_redis(redis_url) if redis_url else InProcessStore()
 
 
 async def keep_registered(store: Store, kind: str, address: str, ttl_s: float = 5.0,
