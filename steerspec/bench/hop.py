@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def child_env(transport: str) -> Dict[str, str]:
     """The environment of a measuring process for `transport`."""
-    from steerspec.grpc_env import LEGACY_TCP_EXPERIMENTS, OPT_OUT
+    from steerspec.grpc_env import LEGACY_TCP_EXPERIMENTS, OPT_OUT_VAR
 
-    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", OPT_OUT[0])}
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", OPT_OUT_VAR)}
     if transport == "iomgr":
         env["GRPC_EXPERIMENTS"] = LEGACY_TCP_EXPERIMENTS
     return env
@@ -101,11 +101,6 @@ def _measure(transport: str, args) -> Dict[str, List[float]]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _p90(values: List[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         gaps = [float(x) for x in args.idle_ms.split(",")]
@@ -117,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--messages and --repeats must be >= 1 and --payload-bytes in [1, 4 MiB]")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out: directory {Path(args.out).resolve().parent} does not exist")
+    from steerspec.tracing.summarize import percentile
+
     runs: Dict[str, Dict[str, List[List[float]]]] = {t: {f"{g:g}": [] for g in gaps} for t in TRANSPORTS}
     for _ in range(args.repeats):
         for transport in TRANSPORTS:
@@ -128,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         for transport in TRANSPORTS:
             medians = [statistics.median(t) for t in runs[transport][gap]]
             pooled = [x for t in runs[transport][gap] for x in t]
-            row[transport] = {"median_us": round(statistics.median(pooled), 1), "p90_us": round(_p90(pooled), 1),
+            row[transport] = {"median_us": round(statistics.median(pooled), 1), "p90_us": round(percentile(pooled, 90), 1),
                               "run_medians_us": [round(m, 1) for m in medians]}
         row["iomgr_vs_event_engine"] = round(row["iomgr"]["median_us"] / row["event_engine"]["median_us"], 3)
         rows.append(row)

@@ -130,23 +130,18 @@ def summarize_runs(results: Sequence[Any], wall_s: Optional[float] = None) -> Di
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
     }
     if blocks:
+        from steerspec.tracing.summarize import percentile
+
         out.update({
             "bytes_up": round(_mean([b.bytes_up for b in blocks]), 1),
             "bytes_down": round(_mean([b.bytes_down for b in blocks]), 1),
             "rtt_ms": round(_median([b.rtt_ms for b in blocks]), 3),
             "stage_ms": {s: round(_median([getattr(b, f"{s}_ms") for b in blocks]), 3) for s in STAGES},
-            "stage_ms_p90": {s: round(_p90([getattr(b, f"{s}_ms") for b in blocks]), 3) for s in STAGES},
+            "stage_ms_p90": {s: round(percentile([getattr(b, f"{s}_ms") for b in blocks], 90), 3) for s in STAGES},
             "batch_size": round(_mean([b.batch_size for b in blocks]), 3),
             "blocks": len(blocks),
         })
     return out
-
-
-def _p90(values: Sequence[float]) -> float:
-    data = sorted(values)
-    pos = (len(data) - 1) * 0.9
-    lo, hi = int(pos), min(int(pos) + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def _prompts(args, tokenizer) -> List[List[int]]:
