@@ -16,13 +16,13 @@ import sys
 from typing import Dict, MutableMapping, Optional
 
 LEGACY_TCP_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
-OPT_OUT = ("STEERSPEC_GRPC_TCP", "event_engine")
+OPT_OUT_VAR, OPT_OUT_VALUE = "STEERSPEC_GRPC_TCP", "event_engine"  # keep grpc's default transport
 
 
 def tuned_env(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
     """The variables SteerSpec would add to `environ` (empty when the user chose otherwise)."""
     environ = os.environ if environ is None else environ
-    if "GRPC_EXPERIMENTS" in environ or environ.get(OPT_OUT[0], "").strip().lower() == OPT_OUT[1]:
+    if "GRPC_EXPERIMENTS" in environ or environ.get(OPT_OUT_VAR, "").strip().lower() == OPT_OUT_VALUE:
         return {}
     return {"GRPC_EXPERIMENTS": LEGACY_TCP_EXPERIMENTS}
 

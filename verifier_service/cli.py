@@ -81,8 +81,7 @@ async def _main(args) -> int:
                             model_name=str(args.model))
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
-    servicer.config.replica = (args.advertise if args.redis_url and args.advertise
-                               else f"{socket.gethostname()}:{running.port}")  # the registered name, when given
+    servicer.config.replica = args.advertise or f"{socket.gethostname()}:{running.port}"  # --advertise needs Redis
     await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
     print(f"steerspec verifier serving {args.model} on {running.target}", flush=True)

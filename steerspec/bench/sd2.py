@@ -423,7 +423,8 @@ def run(args) -> int:
         print(services_note(args, prompts, seeds[0]))
     for label, info in steer_info.items():
         print(f"steering ({label}): +{info['overhead_pct']:.1f}% drafting time per block "
-              f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']} at T={info['temperature']:g}, draft top-k {info['draft_top_k']}), "
+              f"({info['steered_block_ms']:.2f} vs {info['plain_block_ms']:.2f} ms for k={info['k']} "
+              f"at T={info['temperature']:g}, draft top-k {info['draft_top_k']}), "
               f"{info['bytes_per_reply']} bytes per reply; W_hml on the verifier {info['head_ms']:.3f} ms per reply")
     for name, t in targets.items():
         print(f"target {name}: {'PASS' if t['pass'] else 'FAIL'} ({t['detail']})")

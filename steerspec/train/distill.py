@@ -180,9 +180,14 @@ def delta_weights(k: int, decay: float) -> List[float]:
     return [w / total for w in weights]
 
 
+def _step_rng(seed: int, step: int) -> random.Random:
+    """The random stream of training step `step`: stateless, so a resumed run draws the same."""
+    return random.Random(seed * 104729 + step)
+
+
 def _delta(step: int, seed: int, k: int, decay: float = 1.0) -> int:
     """The batch's offset δ ∈ [1, k] (one per batch, as in the authors' code)."""
-    rng = random.Random(seed * 104729 + step)
+    rng = _step_rng(seed, step)
     if decay == 1.0:
         return rng.randint(1, k)
     return rng.choices(range(1, k + 1), weights=delta_weights(k, decay))[0]
@@ -196,8 +201,7 @@ def training_sources(step: int, cfg: TrainConfig) -> Sources:
     simulated blocks with `--block-accept`; seeded by (seed, step) so a resumed run draws the same."""
     if cfg.block_accept is None:
         return partial(steering_sources, delta=_delta(step, cfg.seed, cfg.k, cfg.delta_decay))
-    rng = random.Random(cfg.seed * 104729 + step)
-    return partial(block_steering_sources, k=cfg.k, accept=cfg.block_accept, rng=rng)
+    return partial(block_steering_sources, k=cfg.k, accept=cfg.block_accept, rng=_step_rng(cfg.seed, step))
 
 
 def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tensor, lengths: Tensor,
