@@ -3,7 +3,7 @@
 Drafting is `steerspec.engine.draft_block` (the decoding protocol of steerspec/engine.py): feed
 committed[cache_len:] (ends with the pending token) -> q_1, sample d_1, feed d_1 -> q_2, ... d_k.
 Greedy takes argmaxes; sampling
-draws from the wire distribution `fp16_roundtrip(truncate_top_k(probs, draft_top_k))`, exactly
+draws from the wire distribution `draft_distribution(probs, draft_top_k)`, exactly
 what the verifier decodes, so speculative sampling stays exact across the network.
 Sessions that ask at the same time are drafted together (`Drafter.draft_many`,
 steerspec/drafting.py): one batched forward pass per draft step, each session as if alone.
@@ -75,7 +75,7 @@ class Proposal:
 @dataclass
 class DraftOutput:
     draft_ids: List[int]
-    q: Optional[SparseDist]  # ids/probs [k, S], probs already fp16-rounded and renormalised
+    q: Optional[SparseDist]  # ids/probs [k, S] and floor [k], exactly as the wire decodes them
     draft_ms: float
     batch_size: int = 1  # sessions drafted in the same batched passes
 
@@ -148,7 +148,7 @@ class Drafter:
             self.hooks.clear()
 
     def _output(self, block, start: float, batch_size: int = 1) -> DraftOutput:
-        q = None if block.q is None else SparseDist(ids=block.q.ids[0], probs=block.q.probs[0])
+        q = None if block.q is None else block.q.map(lambda t: t[0])
         return DraftOutput(draft_ids=block.tokens[0].tolist(), q=q, draft_ms=(time.perf_counter() - start) * 1e3,
                            batch_size=batch_size)
 

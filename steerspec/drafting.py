@@ -24,7 +24,7 @@ from steerspec.engine import DecodeConfig
 from steerspec.models.batched import batched_extend
 from steerspec.models.kv import CachedLM
 from steerspec.policies.base import DraftLengthPolicy
-from steerspec.sampling import SparseDist, fp16_roundtrip, probs_from_logits, sample_sparse, truncate_top_k
+from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
 from steerspec.speculative import DraftBlock
 
 
@@ -46,14 +46,13 @@ class _Drafted:
     """What one row has drafted so far."""
 
     tokens: List[Tensor]
-    q_ids: List[Tensor]
-    q_probs: List[Tensor]
+    q_rows: List[SparseDist]
     stopped: bool = False
 
 
-def _sampling_key(config: DecodeConfig) -> Tuple[float, int, float, int]:
+def _sampling_key(config: DecodeConfig) -> Tuple[float, int, float, int, bool]:
     params = config.sampling
-    return params.temperature, params.top_k, params.top_p, config.draft_top_k
+    return params.temperature, params.top_k, params.top_p, config.draft_top_k, config.draft_tail
 
 
 def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequence[_Drafted]) -> Tensor:
@@ -70,15 +69,14 @@ def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequen
             for r, j in enumerate(members):
                 _maybe_stop(rows[j], drafted[j], step, lambda: sub[r : r + 1].softmax(-1)[0])
             continue
-        temperature, top_k, top_p, draft_top_k = key
+        temperature, top_k, top_p, draft_top_k, draft_tail = key
         probs_full = probs_from_logits(sub, temperature, top_k, top_p)
-        dist = fp16_roundtrip(truncate_top_k(probs_full, draft_top_k))
+        dist = draft_distribution(probs_full, draft_top_k, draft_tail)
         for r, j in enumerate(members):
-            own = SparseDist(ids=dist.ids[r : r + 1], probs=dist.probs[r : r + 1])
+            own = dist.map(lambda t: t[r : r + 1])
             token = sample_sparse(own, rows[j].generator)  # [1], from this row's generator only
             tokens[j : j + 1] = token
-            drafted[j].q_ids.append(own.ids)
-            drafted[j].q_probs.append(own.probs)
+            drafted[j].q_rows.append(own)
             _maybe_stop(rows[j], drafted[j], step, lambda: probs_full[r])
     return tokens
 
@@ -115,7 +113,7 @@ def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
 
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
-    drafted = [_Drafted([], [], []) for _ in rows]
+    drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0
     logits = _first_logits(rows, active) if active else None
@@ -142,5 +140,5 @@ def _block(row: DraftRow, drafted: _Drafted) -> DraftBlock:
         tokens = torch.zeros(1, 0, dtype=torch.long, device=device)
     q = None
     if not row.config.greedy and drafted.tokens:
-        q = SparseDist(ids=torch.stack(drafted.q_ids, dim=1), probs=torch.stack(drafted.q_probs, dim=1))
+        q = SparseDist.stack(drafted.q_rows, dim=1)
     return DraftBlock(tokens=tokens, lengths=torch.tensor([len(drafted.tokens)], device=device), q=q)

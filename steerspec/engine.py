@@ -15,7 +15,7 @@ x_1..x_n; the last committed token x_n is *pending*: neither KV cache holds it y
 
 Randomness: `seed` seeds two generators, the drafter's with `seed` and the verifier's with
 `seed + 1` (they live in different processes when distributed), so a seed fixes the output.
-The drafter samples from truncate_top_k(probs_from_logits(logits, T, top_k, top_p), draft_top_k).
+The drafter samples from draft_distribution(probs_from_logits(logits, T, top_k, top_p), draft_top_k).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
 from steerspec.policies.base import DraftLengthPolicy
 from steerspec.policies.fixed import FixedK
-from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, probs_from_logits, sample, sample_sparse, truncate_top_k
+from steerspec.sampling import SamplingParams, SparseDist, draft_distribution, probs_from_logits, sample, sample_sparse
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
 
 
@@ -42,6 +42,7 @@ class DecodeConfig:
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     draft_top_k: int = 64
+    draft_tail: bool = True  # spread the mass outside the draft top-K evenly (sampling.draft_distribution)
     seed: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
     max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
@@ -122,8 +123,7 @@ def draft_block(
     stops_early = policy is not None and getattr(policy, "stops_early", False)
     feed: object = committed[drafter.length:]
     tokens: List[Tensor] = []
-    q_ids: List[Tensor] = []
-    q_probs: List[Tensor] = []
+    q_rows: List[SparseDist] = []
     for i in range(k):
         logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
         if greedy:
@@ -131,10 +131,9 @@ def draft_block(
             probs = logits.softmax(-1)[0] if stops_early else None
         else:
             probs_full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-            dist = fp16_roundtrip(truncate_top_k(probs_full, config.draft_top_k))
+            dist = draft_distribution(probs_full, config.draft_top_k, config.draft_tail)
             token = sample_sparse(dist, generator)  # [1]
-            q_ids.append(dist.ids)
-            q_probs.append(dist.probs)
+            q_rows.append(dist)
             probs = probs_full[0]
         tokens.append(token)
         if stops_early and i + 1 < k and policy.should_stop(probs, i):
@@ -147,7 +146,7 @@ def draft_block(
     lengths = torch.tensor([len(tokens)], device=drafter.device)
     q = None
     if not greedy and tokens:
-        q = SparseDist(ids=torch.stack(q_ids, dim=1), probs=torch.stack(q_probs, dim=1))  # [1, K, S]
+        q = SparseDist.stack(q_rows, dim=1)  # [1, K, S]
     return DraftBlock(tokens=block_tokens, lengths=lengths, q=q)
 
 
@@ -172,7 +171,7 @@ def verify_block(
     logits = out.logits.unsqueeze(0)  # [1, k+1, V]
     if block.tokens.device != device:
         block = DraftBlock(block.tokens.to(device), block.lengths.to(device),
-                           None if block.q is None else SparseDist(block.q.ids.to(device), block.q.probs.to(device)))
+                           None if block.q is None else block.q.map(lambda t: t.to(device)))
     params = config.sampling
     if params.greedy:
         outcome = greedy_verify(logits, block)

@@ -7,7 +7,7 @@ distribution p with the drafter's (top-K truncated) distribution q.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -43,37 +43,91 @@ class SamplingParams:
 
 @dataclass
 class SparseDist:
-    """A distribution over the vocabulary kept on its support only: ids [..., S] and probs [..., S].
+    """A distribution over the vocabulary kept on its support: ids [..., S] and probs [..., S].
 
-    Unused support slots carry probability 0. This is what a sampling drafter sends on the wire.
+    `floor` [...] is the probability of each of the `vocab` − S tokens *not* listed (the
+    drafter's tail mass spread evenly; None = 0). Unused support slots carry probability 0.
+    This is what a sampling drafter sends on the wire.
     """
 
     ids: Tensor
     probs: Tensor
+    floor: Optional[Tensor] = None
+    vocab: int = 0
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "SparseDist":
+        """The same distribution with `fn` applied to each tensor (row selection, device moves)."""
+        floor = None if self.floor is None else fn(self.floor.unsqueeze(-1)).squeeze(-1)
+        return SparseDist(ids=fn(self.ids), probs=fn(self.probs), floor=floor, vocab=self.vocab)
+
+    @staticmethod
+    def stack(dists: Sequence["SparseDist"], dim: int) -> "SparseDist":
+        """Stack distributions of equal support along a new leading dim `dim` (< ids.dim())."""
+        floors = [d.floor for d in dists]
+        floor = None if any(f is None for f in floors) else torch.stack(floors, dim=dim)
+        return SparseDist(ids=torch.stack([d.ids for d in dists], dim=dim),
+                          probs=torch.stack([d.probs for d in dists], dim=dim), floor=floor, vocab=dists[0].vocab)
 
     def to_dense(self, vocab_size: int) -> Tensor:
-        """Scatter back into [..., V] (duplicated ids add up)."""
+        """Scatter back into [..., V] (duplicated ids add up; unlisted ids get the floor)."""
         dense = torch.zeros(*self.ids.shape[:-1], vocab_size, dtype=self.probs.dtype, device=self.probs.device)
-        return dense.scatter_add_(-1, self.ids, self.probs)
+        dense.scatter_add_(-1, self.ids, self.probs)
+        if self.floor is not None:
+            listed = torch.zeros_like(dense, dtype=torch.bool).scatter_(-1, self.ids, True)
+            dense = torch.where(listed, dense, self.floor.unsqueeze(-1).to(dense.dtype))
+        return dense
 
     def prob_of(self, tokens: Tensor) -> Tensor:
         """Probability of `tokens` [...] under this distribution."""
         hit = self.ids == tokens.unsqueeze(-1)
-        return (self.probs * hit).sum(-1)
+        listed = (self.probs * hit).sum(-1)
+        if self.floor is None:
+            return listed
+        return torch.where(hit.any(-1), listed, self.floor.to(listed.dtype))
 
 
 def renormalise(probs: Tensor) -> Tensor:
-    """Divide each row [..., S] by its sum (the same op on both sides of the wire)."""
+    """Divide each row [..., S] by its sum."""
     return probs / probs.sum(-1, keepdim=True)
 
 
-def fp16_roundtrip(dist: SparseDist) -> SparseDist:
-    """The distribution the wire carries: probs quantised to fp16, back to float32, renormalised.
+def fp16_down(probs: Tensor) -> Tensor:
+    """Quantise probabilities (>= 0) to fp16 rounding toward zero, so a row never gains mass."""
+    half = probs.to(torch.float16)
+    return torch.where(half.float() > probs, torch.nextafter(half, torch.zeros_like(half)), half)
+
+
+def wire_dist(ids: Tensor, weights: Tensor, vocab: int) -> SparseDist:
+    """The distribution a sparse row of fp16 weights denotes, identically on both sides of the wire.
+
+    Listed ids get their weight; the mass left below 1 is spread evenly over the vocab − S unlisted
+    ids; rows summing above 1 are scaled to 1. Sums run in float64, where adding fp16 values is
+    exact in any order, so drafter and verifier derive the same bits from the same bytes.
+    """
+    weights = weights.float()
+    total = weights.sum(-1, dtype=torch.float64)
+    probs = weights
+    if bool((total > 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
+        probs = (weights.double() / total.clamp(min=1.0).unsqueeze(-1)).float()
+    unlisted = vocab - ids.shape[-1]
+    spread = torch.sub(1.0, total).clamp_(min=0.0).div_(max(unlisted, 1)).float()
+    return SparseDist(ids=ids, probs=probs, floor=spread if unlisted > 0 else torch.zeros_like(spread), vocab=vocab)
+
+
+def fp16_roundtrip(dist: SparseDist, vocab: int) -> SparseDist:
+    """The distribution the wire carries: probs quantised to fp16 (toward zero), then `wire_dist`.
 
     A sampling drafter samples from this, in-process too, so drafter and verifier use the
     identical q and a seed gives the same tokens whichever transport runs the session.
     """
-    return SparseDist(ids=dist.ids, probs=renormalise(dist.probs.to(torch.float16).float()))
+    return wire_dist(dist.ids, fp16_down(dist.probs).float(), vocab)
+
+
+def draft_distribution(probs: Tensor, draft_top_k: int, tail: bool = True) -> SparseDist:
+    """What a sampling drafter proposes from its warped probs [..., V]: the top `draft_top_k`
+    (0 = all) on the wire, with the rest of its mass spread evenly over the other tokens
+    (`tail`, the default: more overlap with p at no extra bytes) or renormalised away."""
+    return fp16_roundtrip(truncate_top_k(probs, draft_top_k, renormalise_kept=not tail), probs.shape[-1])
 
 
 def _as_rows(value: Union[float, int, Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -133,15 +187,16 @@ def probs_from_logits(
     return warp_logits(logits, temperature, top_k, top_p).softmax(-1)
 
 
-def truncate_top_k(probs: Tensor, draft_top_k: int) -> SparseDist:
-    """Keep the `draft_top_k` most likely tokens of probs [..., V] and renormalise; 0 = full vocabulary."""
+def truncate_top_k(probs: Tensor, draft_top_k: int, renormalise_kept: bool = True) -> SparseDist:
+    """Keep the `draft_top_k` most likely tokens of probs [..., V] (0 = full vocabulary), renormalised
+    unless `renormalise_kept` is False (then the dropped mass is left for `wire_dist` to spread)."""
     vocab = probs.shape[-1]
     if draft_top_k <= 0 or draft_top_k >= vocab:
         ids = torch.arange(vocab, device=probs.device).expand(probs.shape).contiguous()
         return SparseDist(ids=ids, probs=probs / probs.sum(-1, keepdim=True))
     top = probs.topk(draft_top_k, dim=-1)
     kept = top.values
-    return SparseDist(ids=top.indices, probs=kept / kept.sum(-1, keepdim=True))
+    return SparseDist(ids=top.indices, probs=renormalise(kept) if renormalise_kept else kept)
 
 
 def _row_generators(generator: Generators, rows: int) -> list:
@@ -171,6 +226,37 @@ def sample(probs: Tensor, generator: Generators = None) -> Tensor:
 
 
 def sample_sparse(dist: SparseDist, generator: Generators = None) -> Tensor:
-    """Draw one token id per row from a sparse distribution with ids/probs [B, S]."""
+    """Draw one token id per row from a sparse distribution with ids/probs [B, S] (and its floor)."""
+    if dist.floor is not None:
+        return _sample_with_tail(dist, generator)
     slot = sample(dist.probs, generator)
     return dist.ids.gather(-1, slot.unsqueeze(-1)).squeeze(-1)
+
+
+def _sample_with_tail(dist: SparseDist, generator: Generators) -> Tensor:
+    """Draw over the listed ids plus one slot for the whole tail; rows that land on the tail then
+    draw uniformly among the vocab − S unlisted ids (cheaper than a multinomial over the vocabulary)."""
+    support = dist.ids.shape[-1]
+    unlisted = dist.vocab - support
+    slot = sample(torch.cat([dist.probs, dist.floor.mul(unlisted).unsqueeze(-1)], dim=-1), generator)
+    if slot.numel() == 1:  # one row (how a drafter samples): plain Python from here on
+        if int(slot) < support:
+            return dist.ids.reshape(-1, support)[:, int(slot)].reshape(slot.shape)
+        own = generator if generator is None or isinstance(generator, torch.Generator) else generator[0]
+        return torch.tensor([_unlisted(dist.ids.reshape(-1).tolist(), float(uniform((1,), own)), unlisted)],
+                            device=slot.device).reshape(slot.shape)
+    token = dist.ids.gather(-1, slot.clamp(max=support - 1).unsqueeze(-1)).squeeze(-1)
+    for row in torch.nonzero(slot == support).squeeze(-1).tolist():
+        own = generator if generator is None or isinstance(generator, torch.Generator) else generator[row]
+        token[row] = _unlisted(dist.ids[row].tolist(), float(uniform((1,), own)), unlisted)
+    return token
+
+
+def _unlisted(listed: List[int], u: float, unlisted: int) -> int:
+    """The unlisted id at uniform position u ∈ [0, 1): the r-th id not in `listed`, r = ⌊u·unlisted⌋."""
+    token = min(int(u * unlisted), unlisted - 1)
+    for taken in sorted(listed):  # each listed id at or below the answer pushes it up by one
+        if taken > token:
+            break
+        token += 1
+    return token

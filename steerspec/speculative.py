@@ -2,7 +2,8 @@
 
 Definitions, per session row with a block of k draft tokens d_1..d_k:
 - accepted tokens: the longest prefix d_1..d_a whose tokens all pass the test u_i < p_i(d_i) / q_i(d_i),
-  where p is the verifier's warped distribution and q the drafter's (sparse, top-K truncated);
+  where p is the verifier's warped distribution and q the drafter's (its top K listed, the rest of its
+  mass spread evenly: `sampling.draft_distribution`);
 - recovered token: when a < k, the token that replaces the first rejected draft d_{a+1}, sampled
   from norm(max(0, p_{a+1} - q_{a+1})) (or p_{a+1} itself when that residual has no mass);
 - bonus token: when a = k, one extra token sampled from p_{k+1}, the verifier's next position.
@@ -97,9 +98,8 @@ def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generat
     else:
         support = block.q.ids.shape[-1]
         pick = idx.view(batch, 1, 1).expand(batch, 1, support)
-        q_ids = block.q.ids.gather(1, pick).squeeze(1)
-        q_p = block.q.probs.gather(1, pick).squeeze(1).to(p_next.dtype)
-        q_rows = torch.zeros_like(p_next).scatter_add_(-1, q_ids, q_p)
+        row_q = block.q.map(lambda t: t.gather(1, pick[..., : t.shape[-1]]).squeeze(1))
+        q_rows = row_q.to_dense(vocab).to(p_next.dtype)
     residual = (p_next - q_rows).clamp(min=0.0)
     empty = residual.sum(-1, keepdim=True) <= 0
     # Bonus rows sample p itself; recovered rows the residual, or p when the residual has no mass.

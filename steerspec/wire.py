@@ -2,9 +2,11 @@
 
 Rules (proto/steerspec/v1/common.proto):
 - Sparse draft distributions travel as int32 ids and little-endian float16 probs, row-major
-  [k, support]. The encoder quantises to fp16; both sides decode to float32 and renormalise each
-  row by its sum (`fp16_roundtrip`), so the drafter samples from exactly the distribution the
-  verifier tests against. A sampling drafter must therefore sample from `fp16_roundtrip(dist)`.
+  [k, support]. A row means: each listed id has its prob, and the mass left below 1 is spread
+  evenly over the vocab − support unlisted ids (a row summing above 1 is scaled to 1). Both sides
+  derive that distribution from the same fp16 values (`sampling.wire_dist`), so the drafter
+  samples from exactly the q the verifier tests against; a sampling drafter must therefore
+  sample from `fp16_roundtrip(dist, vocab)` (what `sampling.draft_distribution` returns).
 - Dense tensors (SD² steering vectors) travel as raw little-endian bytes + dtype + shape.
 - proto3 cannot tell an unset float from 0: a SamplingParams with top_p == 0 means "top-p off"
   (1.0); an absent SamplingParams message means greedy (temperature 0).
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, renormalise  # noqa: F401 (re-exported)
+from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, wire_dist  # noqa: F401 (fp16_roundtrip re-exported)
 from steerspec.v1 import common_pb2
 
 WIRE_DTYPES = {"float16": (np.dtype("<f2"), torch.float16), "bfloat16": (None, torch.bfloat16),
@@ -124,7 +126,7 @@ def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
 
     Checks: support in [1, vocab], ids/probs sizes match [k, support], ids in vocabulary and not
     repeated within a row, probs finite and >= 0 with a positive row sum, and (when `draft_ids`
-    is given) that each draft token is in its row's support with probability > 0.
+    is given) that each draft token has probability > 0 under its row (listed, or in the spread tail).
     """
     support = int(msg.support)
     if support < 1:
@@ -138,13 +140,20 @@ def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
                       "(little-endian float16, row-major [k, support])")
     ids = ids_array(msg.ids).reshape(k, support)
     probs = np.frombuffer(msg.probs, dtype="<f2").reshape(k, support).astype(np.float32)
-    if not _sparse_ok(ids, probs, vocab_size, draft_ids):
-        _explain_sparse(ids, probs, vocab_size, draft_ids)
-    return SparseDist(ids=torch.from_numpy(ids), probs=renormalise(torch.from_numpy(probs)))
+    if not _sparse_ok(ids, probs, vocab_size):
+        _explain_sparse(ids, probs, vocab_size)
+    q = wire_dist(torch.from_numpy(ids), torch.from_numpy(probs), vocab_size)
+    if draft_ids is not None and k:
+        mass = q.prob_of(torch.from_numpy(draft_ids).long())
+        if not bool((mass > 0).all()):
+            i = int(torch.nonzero(mass <= 0)[0, 0])
+            raise invalid(f"draft token {int(draft_ids[i])} at position {i} has probability 0 under its q row "
+                          "(a drafter can only propose tokens from its own distribution)")
+    return q
 
 
-def _sparse_ok(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_ids: Optional[np.ndarray]) -> bool:
-    """Every check of `decode_sparse` in a few array passes (the hot path of each verify hop)."""
+def _sparse_ok(ids: np.ndarray, probs: np.ndarray, vocab_size: int) -> bool:
+    """Every check of `_explain_sparse` in a few array passes (the hot path of each verify hop)."""
     if int(ids.view(np.uint64).max()) >= vocab_size:
         return False
     if ids.shape[1] > 1:
@@ -154,14 +163,10 @@ def _sparse_ok(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_ids: O
     if not probs.min() >= 0:  # also False for NaN
         return False
     sums = probs.sum(-1)
-    if not (sums.min() > 0 and sums.max() < np.inf):
-        return False
-    if draft_ids is not None and ids.shape[0]:
-        return bool(((ids == draft_ids.reshape(-1, 1)) & (probs > 0)).any(-1).all())
-    return True
+    return bool(sums.min() > 0 and sums.max() < np.inf)
 
 
-def _explain_sparse(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_ids: Optional[np.ndarray]) -> None:
+def _explain_sparse(ids: np.ndarray, probs: np.ndarray, vocab_size: int) -> None:
     """Raise INVALID_ARGUMENT naming the first check a SparseDistribution fails."""
     k, support = ids.shape
     check_ids(ids, vocab_size, "q.ids")
@@ -177,13 +182,6 @@ def _explain_sparse(ids: np.ndarray, probs: np.ndarray, vocab_size: int, draft_i
     empty = probs.sum(-1) <= 0
     if empty.any():
         raise invalid(f"q row {int(np.nonzero(empty)[0][0])} has no probability mass (all zeros)")
-    if draft_ids is not None and k:
-        mass = (probs * (ids == draft_ids.reshape(k, 1))).sum(-1)
-        bad = np.nonzero(mass <= 0)[0]
-        if bad.size:
-            i = int(bad[0])
-            raise invalid(f"draft token {int(draft_ids[i])} at position {i} has probability 0 under its q row "
-                          "(a drafter can only propose tokens from its own distribution)")
 
 
 # --------------------------------------------------------------------------- dense tensors

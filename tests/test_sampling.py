@@ -10,11 +10,13 @@ from transformers.generation.logits_process import (
 
 from steerspec.sampling import (
     SamplingParams,
+    draft_distribution,
     probs_from_logits,
     sample,
     sample_sparse,
     truncate_top_k,
     warp_logits,
+    wire_dist,
 )
 
 
@@ -61,6 +63,47 @@ def test_truncate_top_k_is_sparse_and_normalised():
     assert (dense > 0).sum(-1).max() == 16
     full = truncate_top_k(probs, 0)
     torch.testing.assert_close(full.to_dense(200), probs)
+
+
+def test_draft_distribution_spreads_the_dropped_mass_evenly():
+    torch.manual_seed(3)
+    probs = torch.randn(5, 300).softmax(-1)
+    dist = draft_distribution(probs, 16)
+    top = probs.topk(16, -1)
+    assert torch.equal(dist.ids, top.indices)
+    assert (dist.probs <= top.values).all(), "fp16 rounds toward zero: a listed token never gains mass"
+    torch.testing.assert_close(dist.probs, top.values, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(dist.floor, (1 - top.values.sum(-1)) / (300 - 16), atol=1e-6, rtol=1e-3)
+    dense = dist.to_dense(300)
+    torch.testing.assert_close(dense.double().sum(-1), torch.ones(5, dtype=torch.float64))
+    assert dense.min() > 0
+    outside = torch.ones(300, dtype=torch.bool)
+    outside[dist.ids[0]] = False
+    assert torch.equal(dist.prob_of(torch.nonzero(outside)[0].expand(5)), dist.floor)
+    off = draft_distribution(probs, 16, tail=False)
+    assert off.floor.max() < 1e-5, "renormalised: only fp16 rounding crumbs are left to spread"
+    assert off.probs.sum(-1).min() > dist.probs.sum(-1).max()
+
+
+def test_wire_dist_is_exact_whatever_the_row_shape():
+    torch.manual_seed(4)
+    probs = torch.randn(8, 1000).softmax(-1)
+    dist = draft_distribution(probs, 64)
+    rows = [draft_distribution(probs[i : i + 1], 64) for i in range(8)]
+    assert torch.equal(torch.cat([r.probs for r in rows]), dist.probs)
+    assert torch.equal(torch.cat([r.floor for r in rows]), dist.floor)
+    # decoding the fp16 values again gives the identical distribution (what the verifier does)
+    again = wire_dist(dist.ids, dist.probs.to(torch.float16).float(), 1000)
+    assert torch.equal(again.probs, dist.probs) and torch.equal(again.floor, dist.floor)
+    heavy = wire_dist(dist.ids[:1, :2], torch.tensor([[0.75, 0.75]]), 1000)
+    assert heavy.probs.tolist() == [[0.5, 0.5]] and heavy.floor.tolist() == [0.0]
+
+
+def test_sampling_from_a_spread_tail_reaches_unlisted_tokens():
+    dist = wire_dist(torch.tensor([[0, 1]]).repeat(4000, 1), torch.tensor([[0.25, 0.25]]).repeat(4000, 1), 6)
+    drawn = sample_sparse(dist, torch.Generator().manual_seed(1))
+    counts = torch.bincount(drawn, minlength=6).float() / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.25, 0.25, 0.125, 0.125, 0.125, 0.125]), atol=0.03, rtol=0)
 
 
 def test_sampling_is_seeded_and_respects_support():

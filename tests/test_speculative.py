@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from steerspec.sampling import SparseDist, probs_from_logits, sample_sparse, truncate_top_k
+from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse, truncate_top_k
 from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
 
 V = 24
@@ -61,14 +61,20 @@ def test_seeded_determinism():
     assert torch.equal(c.next_tokens, d.next_tokens)
 
 
-def _emitted_tokens(p: torch.Tensor, q_full: torch.Tensor, k: int, draft_top_k: int, seed: int) -> torch.Tensor:
-    """Run N independent blocks with position-independent p and q; return every committed token."""
+def _run_blocks(p: torch.Tensor, q_full: torch.Tensor, k: int, draft_top_k: int, seed: int, tail: bool = False):
+    """N independent blocks with position-independent p and q (the wire distribution the drafter
+    proposes): returns (draft tokens [N, k], outcome)."""
     gen = torch.Generator().manual_seed(seed)
-    q = truncate_top_k(q_full.expand(N, k, V), draft_top_k)
-    flat = SparseDist(q.ids.reshape(-1, q.ids.shape[-1]), q.probs.reshape(-1, q.ids.shape[-1]))
-    tokens = sample_sparse(flat, gen).view(N, k)
+    q = draft_distribution(q_full.expand(N, k, V), draft_top_k, tail) if tail else truncate_top_k(q_full.expand(N, k, V), draft_top_k)
+    tokens = sample_sparse(q.map(lambda t: t.reshape(N * k, -1)), gen).view(N, k)
     block = DraftBlock(tokens=tokens, lengths=torch.full((N,), k), q=q)
-    out = rejection_sample(p.expand(N, k + 1, V), block, gen)
+    return tokens, rejection_sample(p.expand(N, k + 1, V), block, gen)
+
+
+def _emitted_tokens(p: torch.Tensor, q_full: torch.Tensor, k: int, draft_top_k: int, seed: int,
+                    tail: bool = False) -> torch.Tensor:
+    """Every committed token of `_run_blocks`."""
+    tokens, out = _run_blocks(p, q_full, k, draft_top_k, seed, tail)
     pos = torch.arange(k)
     accepted_tokens = tokens[pos.unsqueeze(0) < out.accepted.unsqueeze(1)]
     return torch.cat([accepted_tokens, out.next_tokens])
@@ -102,6 +108,25 @@ def test_output_distribution_converges_to_verifier(k, draft_top_k, zeros):
     emitted = _emitted_tokens(p, q, k, draft_top_k, seed=k * 10 + draft_top_k)
     assert emitted.numel() >= N
     assert _chi_square_p(emitted, p) > 0.001
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_output_distribution_converges_to_verifier_with_spread_tail(k, zeros):
+    p, q = _distributions(zeros)
+    tokens, out = _run_blocks(p, q, k, 6, seed=k + 77, tail=True)
+    top = set(q.topk(6).indices.tolist())
+    assert any(int(t) not in top for t in tokens[:, 0]), "the tail proposes tokens outside the top K"
+    emitted = _emitted_tokens(p, q, k, 6, seed=k + 77, tail=True)
+    assert _chi_square_p(emitted, p) > 0.001
+
+
+def test_spread_tail_accepts_more_than_renormalising():
+    p, q = _distributions(zeros=False)
+    _, renormalised = _run_blocks(p, q, 4, 6, seed=3, tail=False)
+    _, spread = _run_blocks(p, q, 4, 6, seed=3, tail=True)
+    # p and q share much mass outside q's top 6: spreading q's own tail there is accepted more often
+    assert spread.accepted.float().mean() > renormalised.accepted.float().mean() + 0.05
 
 
 def test_first_token_distribution_matches_p_under_sparse_q():

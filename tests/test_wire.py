@@ -25,22 +25,24 @@ def drafter_dist(k=8, support=64, seed=0):
 def test_fp16_roundtrip_is_what_the_verifier_decodes_bit_for_bit():
     dist = drafter_dist()
     # the drafter quantises one position at a time, the verifier decodes the whole block at once
-    rows = [wire.fp16_roundtrip(SparseDist(dist.ids[i : i + 1], dist.probs[i : i + 1])) for i in range(8)]
+    rows = [wire.fp16_roundtrip(SparseDist(dist.ids[i : i + 1], dist.probs[i : i + 1]), VOCAB) for i in range(8)]
     drafter_probs = torch.cat([r.probs for r in rows])
+    drafter_floor = torch.cat([r.floor for r in rows])
     drafts = dist.ids[:, 0].numpy()
     msg = wire.encode_block(3, 17, drafts.tolist(), SparseDist(dist.ids, drafter_probs), draft_ms=1.5)
     decoded = wire.decode_block(common_pb2.DraftBlock.FromString(msg.SerializeToString()), VOCAB, greedy=False)
     assert decoded.seq == 3 and decoded.committed_length == 17 and decoded.k == 8 and decoded.draft_ms == 1.5
     assert torch.equal(decoded.q.ids, dist.ids)
     assert torch.equal(decoded.q.probs, drafter_probs), "drafter and verifier must use the identical q"
-    assert torch.allclose(decoded.q.probs.sum(-1), torch.ones(8))
+    assert torch.equal(decoded.q.floor, drafter_floor)
+    assert torch.allclose(decoded.q.to_dense(VOCAB).sum(-1), torch.ones(8))
     assert torch.allclose(decoded.q.probs, dist.probs, atol=1e-3)
     # re-encoding the decoded distribution gives the same bytes (fp16 round trip is idempotent)
     assert wire.encode_sparse(decoded.q.ids, decoded.q.probs).probs == msg.q.probs
 
 
 def test_sampling_from_the_wire_distribution_is_seeded():
-    dist = wire.fp16_roundtrip(drafter_dist(k=1))
+    dist = wire.fp16_roundtrip(drafter_dist(k=1), VOCAB)
     a = [int(sample_sparse(dist, torch.Generator().manual_seed(5))) for _ in range(3)]
     assert len(set(a)) == 1 and a[0] in dist.ids[0].tolist()
 
@@ -144,3 +146,12 @@ def test_sparse_validation(ids, probs, drafts, fragment):
         wire.decode_block(block, VOCAB, greedy=False)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in info.value.message
+
+
+def test_a_row_below_one_spreads_its_tail_so_unlisted_drafts_are_valid():
+    q = wire.encode_sparse(torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.25]]))
+    msg = common_pb2.DraftBlock(seq=1, committed_length=5, draft_ids=[7], q=q)
+    block = wire.decode_block(msg, VOCAB, greedy=False)
+    assert torch.equal(block.q.prob_of(torch.tensor([7])), torch.tensor([0.25 / (VOCAB - 2)], dtype=torch.float32))
+    assert block.q.prob_of(torch.tensor([2])).tolist() == [0.25]
+    torch.testing.assert_close(block.q.to_dense(VOCAB).sum(-1), torch.ones(1))

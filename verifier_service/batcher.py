@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from steerspec.batching import WindowBatcher
-from steerspec.sampling import SparseDist, probs_from_logits
+from steerspec.sampling import probs_from_logits
 from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
 from steerspec.wire import WireBlock
 from verifier_service.sessions import VerifierSession
@@ -208,7 +208,7 @@ class VerifyRunner:
             tokens = torch.from_numpy(job.block.draft_ids).view(1, k).to(rows.device)
             q = job.block.q
             if q is not None:
-                q = SparseDist(ids=q.ids.unsqueeze(0).to(rows.device), probs=q.probs.unsqueeze(0).to(rows.device))
+                q = q.map(lambda t: t.unsqueeze(0).to(rows.device))
             block = DraftBlock(tokens=tokens, lengths=torch.tensor([k], device=rows.device), q=q)
             outcome = rejection_sample(probs, block, job.session.generator)
             accepted[i], next_tokens[i], is_bonus[i] = (int(outcome.accepted[0]), int(outcome.next_tokens[0]),

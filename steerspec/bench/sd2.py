@@ -186,6 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=8, help="draft length")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-top-k", type=int, default=64)
+    parser.add_argument("--no-draft-tail", action="store_true",
+                        help="ablation: renormalise the draft top-k instead of spreading the drafter's remaining mass "
+                             "over the other tokens (in-process rows only; implies --no-services)")
     parser.add_argument("--no-greedy", action="store_true", help="skip the T=0 run")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--steering-repeats", type=int, default=200,
@@ -291,6 +294,7 @@ def run(args) -> int:
     from steerspec.steering.runtime import maybe_steering
 
     validate_services(args)
+    args.no_services = args.no_services or args.no_draft_tail  # the services always spread the tail
     torch.set_num_threads(max(1, args.threads))
     drafter_specs, sets = _names(args.drafters), _names(args.sets)
     try:
@@ -335,7 +339,8 @@ def run(args) -> int:
             temperature = 1.0 if mode == "T1" else 0.0
             for i, ids in enumerate(prompts[set_name]):
                 cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=temperature),
-                                   draft_top_k=args.draft_top_k, seed=None if seed is None else _prompt_seed(seed, i),
+                                   draft_top_k=args.draft_top_k, draft_tail=not args.no_draft_tail,
+                                   seed=None if seed is None else _prompt_seed(seed, i),
                                    eos_token_ids=eos, max_length=max_len)
                 for label in labels:
                     cached, steer = drafters[label]
@@ -405,6 +410,7 @@ def run(args) -> int:
                                                      if k not in ("func",) and not k.endswith("_command") and v not in (None, False)),
         "config": {"verifier": str(vdir), "drafters": labels, "sets": sets, "seeds": seeds, "k": args.k,
                    "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
+                   "draft_tail": not args.no_draft_tail,
                    "prompts_per_set": {s: len(p) for s, p in prompts.items()}, "threads": args.threads,
                    "transport": "inproc", "std": "sample std over seeds (ddof=1)",
                    "services": None if args.no_services else services_config(args, prompts, seeds[0])},
