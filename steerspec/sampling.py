@@ -239,17 +239,18 @@ def _sample_with_tail(dist: SparseDist, generator: Generators) -> Tensor:
     support = dist.ids.shape[-1]
     unlisted = dist.vocab - support
     slot = sample(torch.cat([dist.probs, dist.floor.mul(unlisted).unsqueeze(-1)], dim=-1), generator)
-    if slot.numel() == 1:  # one row (how a drafter samples): plain Python from here on
-        if int(slot) < support:
-            return dist.ids.reshape(-1, support)[:, int(slot)].reshape(slot.shape)
-        own = generator if generator is None or isinstance(generator, torch.Generator) else generator[0]
-        return torch.tensor([_unlisted(dist.ids.reshape(-1).tolist(), float(uniform((1,), own)), unlisted)],
-                            device=slot.device).reshape(slot.shape)
-    token = dist.ids.gather(-1, slot.clamp(max=support - 1).unsqueeze(-1)).squeeze(-1)
-    for row in torch.nonzero(slot == support).squeeze(-1).tolist():
+    flat, rows = slot.reshape(-1), dist.ids.reshape(-1, support)
+    if flat.numel() == 1:  # one row, how a drafter samples: Python ints are cheaper than tensor ops
+        tails = [0] if int(flat) == support else []
+        token = rows[:, min(int(flat), support - 1)].clone()
+    else:
+        tails = torch.nonzero(flat == support).squeeze(-1).tolist()
+        token = rows.gather(-1, flat.clamp(max=support - 1).unsqueeze(-1)).squeeze(-1)
+    for row in tails:
         own = generator if generator is None or isinstance(generator, torch.Generator) else generator[row]
-        token[row] = _unlisted(dist.ids[row].tolist(), float(uniform((1,), own)), unlisted)
-    return token
+        u = float(torch.rand((), generator=own, device=flat.device))
+        token[row] = _unlisted(rows[row].tolist(), u, unlisted)
+    return token.reshape(slot.shape)
 
 
 def _unlisted(listed: List[int], u: float, unlisted: int) -> int:
