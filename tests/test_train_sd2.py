@@ -272,3 +272,27 @@ def test_train_sd2_rejects_bad_offset_flags(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--block-accept" in err[0]
+
+
+def test_fixed_delta_steers_every_step_from_that_offset_and_zero_is_the_oracle():
+    plens = torch.tensor([3, 5])
+    for fixed in (0, 1, 4):
+        cfg = distill.TrainConfig(k=8, fixed_delta=fixed)
+        for step in (0, 1, 17):
+            source, steered = distill.training_sources(step, cfg)(plens, 12)
+            want, _ = distill.steering_sources(plens, 12, fixed)
+            assert torch.equal(source, want)
+    oracle, steered = distill.training_sources(0, distill.TrainConfig(fixed_delta=0))(plens, 12)
+    pos = torch.arange(12).expand(2, 12)
+    assert torch.equal(oracle[steered], pos[steered]), "δ = 0: each position steered by its own verifier state"
+    assert "fixed offset δ = 0" in distill._offsets_text({"k": 8, "fixed_delta": 0})
+
+
+def test_train_sd2_rejects_bad_fixed_delta(tmp_path, capsys):
+    from steerspec.cli import main
+
+    for extra in (["--fixed-delta", "-1"], ["--fixed-delta", "9"], ["--fixed-delta", "1", "--block-accept", "0.5"]):
+        argv = ["train", "sd2", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--k", "8", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--fixed-delta" in err[0]

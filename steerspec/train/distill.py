@@ -153,6 +153,7 @@ class TrainConfig:
     k: int = 8
     delta_decay: float = 1.0  # P(δ) ∝ delta_decay^(δ−1): 1 = uniform (the paper), < 1 favours early positions
     block_accept: Optional[float] = None  # set: offsets from simulated blocks (block_steering_sources)
+    fixed_delta: Optional[int] = None  # set: this one offset for training and validation (0 = oracle)
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 50
@@ -198,7 +199,10 @@ Sources = Callable[[Tensor, int], Tuple[Tensor, Tensor]]
 
 def training_sources(step: int, cfg: TrainConfig) -> Sources:
     """How training step `step` picks steering sources: one offset δ for the batch (the paper), or
-    simulated blocks with `--block-accept`; seeded by (seed, step) so a resumed run draws the same."""
+    simulated blocks with `--block-accept`, or one fixed offset; seeded by (seed, step) so a resumed
+    run draws the same."""
+    if cfg.fixed_delta is not None:
+        return partial(steering_sources, delta=cfg.fixed_delta)
     if cfg.block_accept is None:
         return partial(steering_sources, delta=_delta(step, cfg.seed, cfg.k, cfg.delta_decay))
     return partial(block_steering_sources, k=cfg.k, accept=cfg.block_accept, rng=_step_rng(cfg.seed, step))
@@ -242,8 +246,9 @@ def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: Tr
         rows = list(range(start, min(n, start + cfg.batch_size)))
         ids, lengths = pad_batch([data.sequences[i] for i in rows], pad_id)
         plens = torch.tensor([data.prompt_lens[i] for i in rows])
+        delta = cfg.fixed_delta if cfg.fixed_delta is not None else (b % cfg.k) + 1
         kl, ov = batch_loss(bundle, hooks, verifier, ids, plens, lengths,
-                            partial(steering_sources, delta=(b % cfg.k) + 1), bf16=cfg.bf16)
+                            partial(steering_sources, delta=delta), bf16=cfg.bf16)
         total_kl += float(kl)
         total_ov += float(ov)
         count += 1
@@ -386,6 +391,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> N
 def _offsets_text(config: Dict) -> str:
     """How the training run drew its steering offsets, for the model card."""
     k = config["k"]
+    if config.get("fixed_delta") is not None:
+        return f"one fixed offset δ = {config['fixed_delta']} (a diagnostic run, not a decoding drafter)"
     if config.get("block_accept") is not None:
         return (f"offsets from simulated blocks of ≤ {k} positions, each position past the first kept "
                 f"with probability {config['block_accept']}")
@@ -407,7 +414,8 @@ def config_from_args(args, steer: bool) -> TrainConfig:
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, steer_lr=getattr(args, "steer_lr", None),
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
         k=getattr(args, "k", 8), delta_decay=getattr(args, "delta_decay", 1.0),
-        block_accept=getattr(args, "block_accept", None), val_fraction=args.val_fraction, eval_every=args.eval_every,
+        block_accept=getattr(args, "block_accept", None), fixed_delta=getattr(args, "fixed_delta", None),
+        val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, bf16=args.bf16, max_minutes=args.max_minutes, steer=steer,
     )
 

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw offsets from simulated decoding blocks instead of one δ per batch: each "
                              "block of ≤ k positions is steered by the vector just before it, and grows past "
                              "its first position with this probability (about the drafter's acceptance rate)")
+    parser.add_argument("--fixed-delta", type=int, default=None,
+                        help="diagnostic: steer every position (training and validation) with the vector from "
+                             "exactly this many positions back; 0 is an oracle (the verifier's own position, which "
+                             "decoding never has) that shows how much the mechanism can carry")
     parser.add_argument("--steer-layers", default="auto",
                         help="verifier layers low,mid,high whose input hidden states feed W_hml (default 3, L/2, L-2 clamped)")
     parser.add_argument("--steer-lr", type=float, default=None, help="peak learning rate of W_hml and W_s (default --lr)")
@@ -43,6 +47,10 @@ def run(args) -> int:
         raise UsageError(f"--delta-decay must be in (0, 1], got {args.delta_decay}")
     if args.block_accept is not None and not 0.0 <= args.block_accept < 1.0:
         raise UsageError(f"--block-accept must be in [0, 1), got {args.block_accept}")
+    if args.fixed_delta is not None and not 0 <= args.fixed_delta <= args.k:
+        raise UsageError(f"--fixed-delta must be in [0, --k = {args.k}], got {args.fixed_delta}")
+    if args.fixed_delta is not None and args.block_accept is not None:
+        raise UsageError("--fixed-delta and --block-accept are two different offset schemes: pick one")
     torch.set_num_threads(max(1, args.threads))
     cfg = distill.config_from_args(args, steer=True)
     data = load_synthetic(args.data)
