@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from steerspec.sampling import SamplingParams, SparseDist, fp16_roundtrip, wire_dist  # noqa: F401 (fp16_roundtrip re-exported)
+from steerspec.sampling import fp16_roundtrip  # noqa: F401 (re-exported: what a sampling drafter must send)
+from steerspec.sampling import SamplingParams, SparseDist, wire_dist
 from steerspec.v1 import common_pb2
 
 WIRE_DTYPES = {"float16": (np.dtype("<f2"), torch.float16), "bfloat16": (None, torch.bfloat16),

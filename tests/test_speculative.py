@@ -65,7 +65,8 @@ def _run_blocks(p: torch.Tensor, q_full: torch.Tensor, k: int, draft_top_k: int,
     """N independent blocks with position-independent p and q (the wire distribution the drafter
     proposes): returns (draft tokens [N, k], outcome)."""
     gen = torch.Generator().manual_seed(seed)
-    q = draft_distribution(q_full.expand(N, k, V), draft_top_k, tail) if tail else truncate_top_k(q_full.expand(N, k, V), draft_top_k)
+    q_rows = q_full.expand(N, k, V)
+    q = draft_distribution(q_rows, draft_top_k, tail) if tail else truncate_top_k(q_rows, draft_top_k)
     tokens = sample_sparse(q.map(lambda t: t.reshape(N * k, -1)), gen).view(N, k)
     block = DraftBlock(tokens=tokens, lengths=torch.full((N,), k), q=q)
     return tokens, rejection_sample(p.expand(N, k + 1, V), block, gen)

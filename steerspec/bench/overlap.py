@@ -124,7 +124,8 @@ def run(args) -> int:
               "config": {"verifier": str(vdir), "draft_top_k": args.draft_top_k, "k": args.k, "seed": args.seed,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit},
               "elapsed_s": round(time.time() - started, 1), "results": results}
-    print(f"{'set':8} {'drafter':12} {'Σmin full':>10} {'top-K':>8} {'top-K+tail':>11} {'KL(p‖q)':>8} {'positions':>10}")
+    print(f"{'set':8} {'drafter':12} {'Σmin full':>10} {'top-K':>8} {'top-K+tail':>11} {'KL(p‖q)':>8} "
+          f"{'positions':>10}")
     for set_name, rows in results.items():
         for label, r in rows.items():
             print(f"{set_name:8} {label:12} {r['full']:10.4f} {r['top_k']:8.4f} {r['top_k_tail']:11.4f} "
