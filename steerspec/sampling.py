@@ -110,8 +110,11 @@ def wire_dist(ids: Tensor, weights: Tensor, vocab: int) -> SparseDist:
     if bool((total > 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
         probs = (weights.double() / total.clamp(min=1.0).unsqueeze(-1)).float()
     unlisted = vocab - ids.shape[-1]
-    spread = torch.sub(1.0, total).clamp_(min=0.0).div_(max(unlisted, 1)).float()
-    return SparseDist(ids=ids, probs=probs, floor=spread if unlisted > 0 else torch.zeros_like(spread), vocab=vocab)
+    if unlisted > 0:
+        floor = torch.sub(1.0, total).clamp_(min=0.0).div_(unlisted).float()
+    else:  # the whole vocabulary is listed: nothing left to spread
+        floor = torch.zeros_like(total, dtype=torch.float32)
+    return SparseDist(ids=ids, probs=probs, floor=floor, vocab=vocab)
 
 
 def fp16_roundtrip(dist: SparseDist, vocab: int) -> SparseDist:
@@ -193,7 +196,7 @@ def truncate_top_k(probs: Tensor, draft_top_k: int, renormalise_kept: bool = Tru
     vocab = probs.shape[-1]
     if draft_top_k <= 0 or draft_top_k >= vocab:
         ids = torch.arange(vocab, device=probs.device).expand(probs.shape).contiguous()
-        return SparseDist(ids=ids, probs=probs / probs.sum(-1, keepdim=True))
+        return SparseDist(ids=ids, probs=renormalise(probs))
     top = probs.topk(draft_top_k, dim=-1)
     kept = top.values
     return SparseDist(ids=top.indices, probs=renormalise(kept) if renormalise_kept else kept)
@@ -246,9 +249,9 @@ def _sample_with_tail(dist: SparseDist, generator: Generators) -> Tensor:
     else:
         tails = torch.nonzero(flat == support).squeeze(-1).tolist()
         token = rows.gather(-1, flat.clamp(max=support - 1).unsqueeze(-1)).squeeze(-1)
+    gens = _row_generators(generator, flat.numel()) if tails else []
     for row in tails:
-        own = generator if generator is None or isinstance(generator, torch.Generator) else generator[row]
-        u = float(torch.rand((), generator=own, device=flat.device))
+        u = float(torch.rand((), generator=gens[row], device=flat.device))
         token[row] = _unlisted(rows[row].tolist(), u, unlisted)
     return token.reshape(slot.shape)
 

@@ -96,9 +96,8 @@ def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generat
     elif block.q is None:
         q_rows = torch.zeros_like(p_next).scatter_(-1, tokens.gather(1, idx), 1.0)
     else:
-        support = block.q.ids.shape[-1]
-        pick = idx.view(batch, 1, 1).expand(batch, 1, support)
-        row_q = block.q.map(lambda t: t.gather(1, pick[..., : t.shape[-1]]).squeeze(1))
+        at_idx = idx.view(batch, 1, 1)
+        row_q = block.q.map(lambda t: t.gather(1, at_idx.expand(batch, 1, t.shape[-1])).squeeze(1))
         q_rows = row_q.to_dense(vocab).to(p_next.dtype)
     residual = (p_next - q_rows).clamp(min=0.0)
     empty = residual.sum(-1, keepdim=True) <= 0

@@ -47,7 +47,8 @@ def test_bench_overlap_on_the_bundled_pair(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--k", "0"), ("--draft-top-k", "0"),
-                                        ("--max-new-tokens", "0"), ("--drafters", "/nonexistent/model")])
+                                        ("--max-new-tokens", "0"), ("--drafters", "/nonexistent/model"),
+                                        ("--drafters", "sd2,sd2")])
 def test_bench_overlap_bad_flags_are_usage_errors(flag, value):
     with pytest.raises(UsageError):
         overlap.run(_args(flag, value))

@@ -83,7 +83,7 @@ def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], pro
 
 
 def run(args) -> int:
-    from steerspec.bench.sd2 import _label, _names, load_prompts
+    from steerspec.bench.sd2 import _names, drafter_dirs, load_prompts
     from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from steerspec.steering.runtime import maybe_steering
 
@@ -96,11 +96,9 @@ def run(args) -> int:
     verifier = load_model(vdir)
     tok = load_tokenizer(vdir)
     drafters = {}
-    for spec in _names(args.drafters):
-        label, _, path = spec.rpartition("=")
-        ddir = resolve_model_dir(path)
+    for label, ddir in drafter_dirs(_names(args.drafters)).items():
         drafter = load_model(ddir)
-        drafters[label or _label(path)] = (drafter, maybe_steering(drafter, ddir))
+        drafters[label] = (drafter, maybe_steering(drafter, ddir))
     if not drafters:
         raise UsageError("need at least one drafter")
     eos, max_len = eos_token_ids(verifier, tok), context_length(verifier)

@@ -89,6 +89,21 @@ def _label(spec: str) -> str:
     return name if name in BUNDLED_NAMES else Path(spec).name
 
 
+def drafter_dirs(specs: Sequence[str]) -> Dict[str, Path]:
+    """Label -> checkpoint directory for `--drafters` entries (bundled names or [label=]DIR)."""
+    from steerspec.models.loading import resolve_model_dir
+
+    dirs: Dict[str, Path] = {}
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        ddir = resolve_model_dir(path)
+        label = label or _label(path)
+        if label in dirs:
+            raise UsageError(f"drafter {label!r} given twice")
+        dirs[label] = ddir
+    return dirs
+
+
 def load_prompts(set_name: str, eval_dir: Optional[Path], limit: int) -> List[str]:
     from steerspec.data.evalsets import assets_dir
 
@@ -310,16 +325,11 @@ def run(args) -> int:
     vdir = resolve_model_dir(args.verifier)
     verifier = CachedLM(load_model(vdir))
     tok = load_tokenizer(vdir)
-    drafters, dirs = {}, {}
-    for spec in drafter_specs:
-        label, _, path = spec.rpartition("=")
-        ddir = resolve_model_dir(path)
-        label = label or _label(path)
-        if label in drafters:
-            raise UsageError(f"drafter {label!r} given twice")
+    dirs = drafter_dirs(drafter_specs)
+    drafters = {}
+    for label, ddir in dirs.items():
         cached = CachedLM(load_model(ddir))
         drafters[label] = (cached, maybe_steering(cached, ddir))
-        dirs[label] = ddir
     labels = list(drafters)
     base = labels[0]
     eos = eos_token_ids(verifier.model, tok)
