@@ -46,6 +46,8 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     assert set(slow["concurrency"]) == {"1", "2"} and slow["concurrency_ratio"] > 0
     assert "concurrency" not in report["rows"][0]
     assert report["engine"]["tokens_per_s"] > 0
+    assert report["config"]["device"] == "cpu" and report["config"]["dtype"] == "float32"
+    assert report["machine"]["gpu"] is None
     assert set(report["targets"]) == {"overhead_median_ms", "bytes_up_per_block", "concurrency_ratio_at_50ms"}
     table = capsys.readouterr().out
     assert "speculative" in table and "autoregressive" in table and "engine" in table
@@ -56,3 +58,18 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
 def test_bench_remote_bad_flags_are_usage_errors(flag, value):
     with pytest.raises(UsageError):
         remote.run(_args(flag, value))
+
+
+@pytest.mark.parametrize("bench", ["remote", "sd2"])
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:99"])
+def test_bench_device_errors_are_one_line_exit_2(bench, device, capsys):
+    """A device that is unknown or not on this machine ends the bench before any model loads."""
+    import torch
+
+    from steerspec.cli import main
+
+    if device == "cuda:99" and torch.cuda.device_count() > 99:
+        pytest.skip("this machine has a CUDA device 99")
+    assert main(["bench", bench, "--device", device]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and device in err[0] and "cuda" in err[0]

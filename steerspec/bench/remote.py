@@ -69,6 +69,8 @@ def _int_list(text: str, flag: str) -> List[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from steerspec.cli.run import add_device_arguments
+
     parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated round-trip times (comma-separated)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per mode and RTT")
     parser.add_argument("--prompt-set", default="indist", help="bundled eval set (falls back to built-in prompts)")
@@ -80,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--verifier", default="verifier", help="bundled name or checkpoint directory")
     parser.add_argument("--drafter", default="pretrained", help="bundled name or checkpoint directory")
+    add_device_arguments(parser)
     parser.add_argument("--concurrency", default="1,8", help="concurrent session counts for the aggregate run")
     parser.add_argument("--drafters", type=int, default=1,
                         help="drafter replicas behind the coordinator (sessions are placed least-loaded; "
@@ -228,10 +231,12 @@ class RayCluster:
                      _node_ip_address="127.0.0.1")
         threads = self.args.threads if self.args.threads > 0 else 0
         options = {} if self.args.batch_window_ms is None else {"batch_window_ms": self.args.batch_window_ms}
-        self.verifier = VerifierActor.options(**placement_options("verifier")).remote(
-            model=str(self.args.verifier_dir), num_threads=threads, options=options)
-        self.drafters = [DrafterActor.options(**placement_options("drafter")).remote(
-            model=str(self.args.drafter_dir), num_threads=threads) for _ in range(self.args.drafters)]
+        gpus = 1 if self.args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
+        where = {"dtype": self.args.dtype, "device": "cuda" if gpus else "cpu"}
+        self.verifier = VerifierActor.options(**placement_options("verifier", num_gpus=gpus)).remote(
+            model=str(self.args.verifier_dir), num_threads=threads, options=options, **where)
+        self.drafters = [DrafterActor.options(**placement_options("drafter", num_gpus=gpus)).remote(
+            model=str(self.args.drafter_dir), num_threads=threads, **where) for _ in range(self.args.drafters)]
         self.verifier_target = ray.get(self.verifier.start.remote(), timeout=600)
         self.drafter_targets = ray.get([d.start.remote() for d in self.drafters], timeout=600)
         self.drafter_node = ray.get(self.drafters[0].node_id.remote())
@@ -534,7 +539,10 @@ def run(args: argparse.Namespace) -> int:
 
     from coordinator.cli import load_tokenizer_and_eos
     from steerspec.models import load_model
-    from steerspec.models.loading import resolve_model_dir
+    from steerspec.models.loading import resolve_device, resolve_model_dir
+
+    device = resolve_device(args.device)  # bad or missing devices: one line, exit 2, before any loading
+    args.device_type = device.type
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -542,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
     args.verifier_dir, args.drafter_dir = verifier_dir, drafter_dir
     tokenizer, eos = load_tokenizer_and_eos(str(verifier_dir))
     prompts = _prompts(args, tokenizer)
-    verifier, drafter = load_model(verifier_dir), load_model(drafter_dir)
+    verifier, drafter = (load_model(d, dtype=args.dtype, device=device) for d in (verifier_dir, drafter_dir))
     started = time.time()
     measured = asyncio.run(_measure(args, verifier, drafter, str(verifier_dir), prompts, eos))
     report: Dict[str, Any] = {
@@ -553,9 +561,10 @@ def run(args: argparse.Namespace) -> int:
                                                         ("temperature", args.temperature),
                                                         ("concurrency", args.concurrency),
                                                         ("drafters", args.drafters),
-                                                        ("deployment", args.deployment))),
+                                                        ("deployment", args.deployment), ("device", args.device),
+                                                        ("dtype", args.dtype))),
         "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
-                   "drafters": args.drafters,
+                   "drafters": args.drafters, "device": str(device), "dtype": args.dtype,
                    "rtt_ms": args.rtt_list,
                    "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k,
                    "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,
@@ -564,6 +573,7 @@ def run(args: argparse.Namespace) -> int:
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", "")},  # the TCP transport (grpc_env)
         "elapsed_s": None,
         **measured,

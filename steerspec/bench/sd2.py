@@ -158,7 +158,7 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
             g = vector_from_bytes(wire).to(device)
             steer.hooks.set_vector(g.unsqueeze(0), steer_prefix=True)
         t1 = time.perf_counter()
-        draft_block(drafter_cached, committed, k, cfg, torch.Generator().manual_seed(0))
+        draft_block(drafter_cached, committed, k, cfg, torch.Generator(device).manual_seed(0))
         t2 = time.perf_counter()
         steer.hooks.clear()
         return t2 - t0, t1 - t0
@@ -166,7 +166,7 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
     def plain_block() -> float:
         drafter_cached.rollback(base)
         t0 = time.perf_counter()
-        draft_block(drafter_cached, committed, k, cfg, torch.Generator().manual_seed(0))
+        draft_block(drafter_cached, committed, k, cfg, torch.Generator(device).manual_seed(0))
         return time.perf_counter() - t0
 
     steered_block(), plain_block()  # warm-up
@@ -191,7 +191,10 @@ def steering_overhead(verifier, drafter_cached, steer, prompt_ids: Sequence[int]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from steerspec.cli.run import add_device_arguments
+
     parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
+    add_device_arguments(parser)
     parser.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                         help="comma-separated drafter dirs or bundled names, optionally LABEL=DIR; the first is the speedup baseline")
     parser.add_argument("--sets", default=DEFAULT_SETS, help="comma-separated eval sets (indist, tests, docs)")
@@ -232,7 +235,7 @@ def _prompt_seed(seed: int, index: int) -> int:
 
 
 async def _open_clusters(stack: AsyncExitStack, verifier_model, dirs: Dict[str, Path], rtt_ms: float,
-                         eos: Sequence[int]) -> Dict[str, object]:
+                         eos: Sequence[int], dtype: str, device: str) -> Dict[str, object]:
     """One LocalCluster per drafter (sharing the verifier weights), all open at once so prompts can interleave.
 
     LocalCluster loads the drafter from its directory, so an SD² one gets its W_s hooks and the
@@ -243,7 +246,8 @@ async def _open_clusters(stack: AsyncExitStack, verifier_model, dirs: Dict[str, 
 
     link = LinkModel(rtt_ms=rtt_ms).validate()
     return {label: await stack.enter_async_context(
-                LocalCluster(verifier=verifier_model, drafter=str(ddir), link=link, tokenizer=None, eos_ids=list(eos)))
+                LocalCluster(verifier=verifier_model, drafter=str(ddir), link=link, tokenizer=None, eos_ids=list(eos),
+                             dtype=dtype, device=device))
             for label, ddir in dirs.items()}
 
 
@@ -272,7 +276,8 @@ async def measure_services(verifier_model, dirs: Dict[str, Path], prompts: Dict[
     runs: Dict[str, Dict[str, list]] = {s: {label: [] for label in dirs} for s in sets}
     warm_ids = next(p[0] for p in chosen.values() if p)
     async with AsyncExitStack() as stack:
-        clusters = await _open_clusters(stack, verifier_model, dirs, args.services_rtt_ms, eos)
+        clusters = await _open_clusters(stack, verifier_model, dirs, args.services_rtt_ms, eos, args.dtype,
+                                        str(verifier_model.device))
         for label, cluster in clusters.items():  # warm-up: one block, not timed
             await _services_generate(cluster, warm_ids, args, seed, steered[label],
                                      max_new_tokens=min(args.max_new_tokens, args.k + 1))
@@ -303,7 +308,8 @@ def add_services(results: Dict, measured: Dict[str, Dict[str, Dict]], base: str)
 def run(args) -> int:
     from steerspec.engine import DecodeConfig, speculative_generate
     from steerspec.models.kv import CachedLM
-    from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+    from steerspec.models.loading import (context_length, eos_token_ids, load_model, load_tokenizer, resolve_device,
+                                          resolve_model_dir)
     from steerspec.policies.fixed import FixedK
     from steerspec.sampling import SamplingParams
     from steerspec.steering.runtime import maybe_steering
@@ -322,14 +328,15 @@ def run(args) -> int:
         raise UsageError(f"--k must be in [1, 64], got {args.k}")
     if args.steering_repeats < 1:
         raise UsageError(f"--steering-repeats must be at least 1, got {args.steering_repeats}")
+    device = resolve_device(args.device)  # bad or missing devices: one line, exit 2, before any loading
     vdir = resolve_model_dir(args.verifier)
-    verifier = CachedLM(load_model(vdir))
+    verifier = CachedLM(load_model(vdir, dtype=args.dtype, device=device))
     tok = load_tokenizer(vdir)
     dirs = drafter_dirs(drafter_specs)
     drafters = {}
     for label, ddir in dirs.items():
-        cached = CachedLM(load_model(ddir))
-        drafters[label] = (cached, maybe_steering(cached, ddir))
+        cached = CachedLM(load_model(ddir, dtype=args.dtype, device=device))
+        drafters[label] = (cached, maybe_steering(cached, ddir, device=device))
     labels = list(drafters)
     base = labels[0]
     eos = eos_token_ids(verifier.model, tok)
@@ -422,6 +429,7 @@ def run(args) -> int:
                    "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
                    "draft_tail": not args.no_draft_tail,
                    "prompts_per_set": {s: len(p) for s, p in prompts.items()}, "threads": args.threads,
+                   "device": str(device), "dtype": args.dtype,
                    "transport": "inproc", "std": "sample std over seeds (ddof=1)",
                    "services": None if args.no_services else services_config(args, prompts, seeds[0])},
         "elapsed_s": round(elapsed, 1),

@@ -23,6 +23,12 @@ TRANSPORTS = ("inproc", "grpc")
 DEFAULT_TRANSPORT = "grpc"
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device: where the models compute (shared with the benchmarks)."""
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--verifier, --drafter, --dtype, --device (shared with benchmarks)."""
     parser.add_argument("--verifier", default="verifier", metavar="DIR",
@@ -30,8 +36,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="pretrained", metavar="DIR",
                         help="drafter checkpoint directory or bundled name: pretrained, distilled, sd2 "
                              "(default: pretrained)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    add_device_arguments(parser)
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU intra-op threads; 0 = auto: 1 for models under 100M parameters (batch-1 "
                              "decoding of small models only loses time to thread sync), else torch's default")
