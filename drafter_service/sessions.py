@@ -22,6 +22,7 @@ import grpc
 import torch
 from torch import Tensor
 
+from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
 from steerspec.policies.base import PolicyBase
@@ -96,6 +97,7 @@ class DrafterSession:
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False
+    in_compute: int = 0  # compute-thread calls using the cache now (steerspec.batching.free_cache)
     last_active: float = field(default_factory=time.monotonic)
 
     @property
@@ -249,7 +251,8 @@ class DrafterSessionTable:
         return session
 
     def close(self, session: DrafterSession) -> None:
+        """Free the session's cache: now, or when the batch using it ends."""
         session.closed = True
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
-        session.lm.reset()
+        free_cache(session)

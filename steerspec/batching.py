@@ -4,7 +4,7 @@
 call: it collects for at most `window_s` after the first job (ending early once every active
 session has submitted) and runs the batch on a single compute thread, so the event loop keeps
 reading other streams. A lone session computes inline (no thread hop, no wait). A job is any
-object with `session` (with a `closed` flag), `submitted` and `future` attributes.
+object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and `future` attributes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ from typing import Callable, Generic, List, Optional, Sequence, TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
+
+
+def free_cache(session) -> None:
+    """Empty a closed session's KV cache, unless a compute call still uses it: that call's end does it
+    (closing a stream must not pull a cache from under a batch that other sessions share)."""
+    if session.closed and not session.in_compute:
+        session.lm.reset()
 
 
 class WindowBatcher(Generic[J, R]):
@@ -47,16 +54,35 @@ class WindowBatcher(Generic[J, R]):
         self.batched_blocks += size
         self.max_batch_seen = max(self.max_batch_seen, size)
 
-    async def run_compute(self, fn, *args):
+    async def run_compute(self, fn, *args, hold: Sequence = ()):
         """Run `fn(*args)` on the compute thread (serialised with batches), or inline on the event
-        loop when at most one session is active: a thread hop costs milliseconds on a loaded host."""
+        loop when at most one session is active: a thread hop costs milliseconds on a loaded host.
+
+        The sessions in `hold` keep their caches until `fn` has returned on that thread, even when
+        they close (or this call is cancelled) meanwhile: see `free_cache`.
+        """
         if self.expected() <= 1 and not self._busy:
             return fn(*args)
+        loop = asyncio.get_running_loop()
         self._busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        finally:
+        for session in hold:
+            session.in_compute += 1
+
+        def release(_future) -> None:  # on the event loop, once fn has really finished (or never started)
             self._busy -= 1
+            for session in hold:
+                session.in_compute -= 1
+                free_cache(session)
+
+        def done(future) -> None:  # on the compute thread
+            try:
+                loop.call_soon_threadsafe(release, future)
+            except RuntimeError:  # the loop has closed (shutdown): nothing is left to free
+                pass
+
+        work = self.executor.submit(fn, *args)
+        work.add_done_callback(done)
+        return await asyncio.wrap_future(work, loop=loop)
 
     async def submit(self, job: J) -> R:
         """The job's result, computed alone (a lone session) or batched with concurrent ones."""
@@ -94,7 +120,7 @@ class WindowBatcher(Generic[J, R]):
             if not jobs:
                 continue
             try:
-                results = await self.run_compute(self.compute, jobs)
+                results = await self.run_compute(self.compute, jobs, hold=[job.session for job in jobs])
             except Exception as exc:  # the forward failed: every job in it gets the error
                 for job in jobs:
                     if not job.future.done():

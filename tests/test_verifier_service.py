@@ -285,3 +285,45 @@ async def test_cli_serves_with_device_map_and_stops_gracefully(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_cancelling_a_session_mid_batch_keeps_the_batch_exact(model):
+    """A stream cancelled while its block is in a batch on the compute thread: the batch still runs on
+    that session's cache, the other session's result is exact, and the cancelled cache is freed after."""
+    import threading
+    import time
+
+    srv = await start(model, batch_window_ms=500.0)
+    real_run, entered, seen = srv.servicer.runner.run, threading.Event(), {}
+
+    def gated_run(jobs):  # the compute thread: hold the batch until the cancelled session has closed
+        victim = next((j.session for j in jobs if j.session.session_id == "cancelled"), None)
+        if victim is not None and len(jobs) > 1:
+            entered.set()
+            deadline = time.monotonic() + 10.0
+            while not victim.closed and time.monotonic() < deadline:
+                time.sleep(0.002)
+            seen.update(closed=victim.closed, cached=victim.lm.length, session=victim)
+        return real_run(jobs)
+
+    srv.servicer.runner.run = srv.servicer.batcher.compute = gated_run
+    try:
+        prompt_a, prompt_b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
+        reference = greedy_reference(model, prompt_b, 4)
+        call_a, _ = await open_verifier(srv.stub, prompt_a, session_id="cancelled")
+        call_b, _ = await open_verifier(srv.stub, prompt_b)
+        task_a = asyncio.ensure_future(verify(call_a, 1, len(prompt_a), [1, 2, 3]))
+        task_b = asyncio.ensure_future(verify(call_b, 1, len(prompt_b), reference[:3]))
+        assert await asyncio.to_thread(entered.wait, 10.0), "the two blocks were never batched"
+        call_a.cancel()
+        reply = await task_b
+        assert reply.WhichOneof("kind") == "result", reply
+        assert reply.result.accepted == 3 and reply.result.next_token == reference[3]
+        assert seen["closed"] and seen["cached"] == len(prompt_a) - 1  # closed, yet its cache was intact
+        await wait_for_stats(srv.stats, lambda s: s.active_sessions == 1)
+        assert seen["session"].lm.length == 0  # freed once the batch was done with it
+        task_a.cancel()
+        await asyncio.gather(task_a, return_exceptions=True)
+        await call_b.done_writing()
+    finally:
+        await srv.stop()

@@ -132,7 +132,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                   generator=generator, steering=bool(msg.steering))
         start = time.perf_counter()
         try:
-            steering = await self.batcher.run_compute(self.runner.prefill, session, prompt_ids)
+            steering = await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, hold=(session,))
         except BaseException:
             self.table.close(session)
             raise

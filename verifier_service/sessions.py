@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import grpc
 import torch
 
+from steerspec.batching import free_cache
 from steerspec.models.kv import CachedLM
 from steerspec.sampling import SamplingParams
 from steerspec.wire import ProtocolError
@@ -45,6 +46,7 @@ class VerifierSession:
     blocks: int = 0
     ready: bool = False
     closed: bool = False
+    in_compute: int = 0  # compute-thread calls using the cache now (steerspec.batching.free_cache)
     last_active: float = field(default_factory=time.monotonic)
 
     @property
@@ -119,13 +121,14 @@ class SessionTable:
             self.reserved[session.session_id] = tokens
 
     def close(self, session: VerifierSession) -> None:
-        """Free the session's cache now (stream end, cancel, deadline, idle expiry)."""
+        """Free the session's cache (stream end, cancel, deadline, idle expiry): now, or when the batch
+        using it ends."""
         session.closed = True
         session.ready = False
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
             self.reserved.pop(session.session_id, None)
-        session.lm.reset()
+        free_cache(session)
 
     def active(self) -> List[VerifierSession]:
         return list(self.sessions.values())
