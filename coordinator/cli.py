@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-seed", type=int, default=0, help="seed of the emulated jitter")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registry TTL of a replica")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-host", default=None,
+                        help="address for /metrics (default: --host; 0.0.0.0 lets a Prometheus container scrape it)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
 
@@ -98,8 +100,9 @@ async def _main(args) -> int:
         from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
 
         metrics = SteerSpecMetrics()
-        _, metrics_port = start_metrics_server(args.metrics_port, metrics.registry, addr=args.host)
-        print(f"steerspec coordinator metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+        metrics_host = args.metrics_host or args.host
+        _, metrics_port = start_metrics_server(args.metrics_port, metrics.registry, addr=metrics_host)
+        print(f"steerspec coordinator metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
     tokenizer, eos = load_tokenizer_and_eos(args.tokenizer)
     max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
     link = LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
@@ -116,6 +119,7 @@ async def _main(args) -> int:
 
 
 def run(args) -> int:
+    from steerspec.grpc_common import check_port
     from steerspec.linkemu import LinkModel
 
     parse_targets(args.verifier, "--verifier")
@@ -125,8 +129,9 @@ def run(args) -> int:
         raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
     if args.heartbeat_ttl_s <= 0:
         raise UsageError("--heartbeat-ttl-s must be > 0")
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    check_port(args.port)
+    if args.metrics_port is not None:
+        check_port(args.metrics_port, "--metrics-port")
     if not parse_targets(args.verifier, "--verifier") and not args.redis_url:
         raise UsageError("no verifier to place sessions on: pass --verifier HOST:PORT, or --redis-url where "
                          "replicas register themselves (steerspec serve verifier --redis-url URL)")

@@ -23,6 +23,7 @@ from coordinator.loop import SessionLoop, SessionRequest
 from coordinator.results import DistributedResult
 from coordinator.server import Coordinator, serve as serve_coordinator
 from coordinator.store import Store
+from steerspec.errors import UsageError
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams
 
@@ -196,6 +197,9 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
     actors start gRPC servers on 127.0.0.1:0; the generation goes through the coordinator's
     public Generate API; everything is shut down before returning.
     """
+    from steerspec.models.loading import resolve_device
+
+    resolve_device(_arg(args, "device", "cpu"))  # a bad or absent device: one line here, not an actor's traceback
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -224,15 +228,15 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
         if mode == "speculative":
             drafter = ray_app.DrafterActor.remote(model=str(drafter_name), **common)
             actors.append(drafter)
-        verifier_target = ray.get(verifier.start.remote(), timeout=300)
-        drafter_target = ray.get(drafter.start.remote(), timeout=300) if drafter is not None else ""
+        verifier_target = _started(ray, verifier, 300)
+        drafter_target = _started(ray, drafter, 300) if drafter is not None else ""
         coordinator = ray_app.CoordinatorActor.remote(
             verifiers=[verifier_target], drafters=[drafter_target] if drafter_target else [],
             tokenizer=str(_arg(args, "verifier", "verifier")), rtt_ms=float(_arg(args, "rtt_ms", 0.0)),
             jitter_ms=float(_arg(args, "jitter_ms", 0.0)), bandwidth_mbps=float(_arg(args, "bandwidth_mbps", 0.0)),
             link_seed=int(_arg(args, "link_seed", 0)), trace_file=trace_file)
         actors.append(coordinator)
-        target = ray.get(coordinator.start.remote(), timeout=120)
+        target = _started(ray, coordinator, 120)
         start = time.perf_counter()
         with Client(target, retries=2) as client:
             summary = client.complete(
@@ -255,6 +259,16 @@ def run_distributed(args, prompt_ids: Sequence[int]) -> DistributedResult:
                 pass
         if started_here:
             ray.shutdown()
+
+
+def _started(ray, actor, timeout_s: float) -> str:
+    """The address `actor.start()` bound; a UsageError it raised (bad model, flag) as that one line."""
+    try:
+        return ray.get(actor.start.remote(), timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UsageError):
+            raise UsageError(str(exc.cause)) from None
+        raise
 
 
 def _steering_dir(drafter) -> Optional[str]:

@@ -76,6 +76,9 @@ async def _main(args) -> int:
 
 
 def run(args) -> int:
+    from steerspec.grpc_common import check_port
+
+    check_port(args.port)
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     if not args.draft_batch_window_ms >= 0:

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from steerspec.errors import UsageError
+
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 Registration = Tuple[Callable[[object, grpc.aio.Server], None], object]
 
@@ -92,13 +94,23 @@ async def start_server(
     names = list(service_names)
     reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not this machine's
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port} (address in use or not available)")
+        raise UsageError(f"cannot bind {host}:{port}: the port is in use or the address is not on this machine; "
+                         "choose another --port (0 = any free port) or --host")
     await server.start()
     running = RunningServer(server=server, host=host, port=bound, health=health, service_names=names)
     await running.set_serving(True)
     return running
+
+
+def check_port(port: int, flag: str = "--port") -> None:
+    """UsageError unless `port` is in [0, 65535]: grpc would silently bind another port."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"{flag} must be in [0, 65535] (0 = any free port), got {port}")
 
 
 async def serve_until_signal(running: RunningServer, grace: float = 5.0) -> None:

@@ -77,6 +77,8 @@ def test_seed_fixes_sampled_output(capsys, pair_args):
     (["run", "x", "--verifier", "meta-llama/Llama-3-8B"], "local directory"),
     (["run", "x", "--max-new-tokens", "0"], "max-new-tokens"),
     (["run", "x", "--k", "two"], "invalid int"),
+    (["run", "x", "--device", "cuda:99", "--transport", "grpc"], "cuda:99"),  # before Ray starts its actors
+    (["run", "x", "--device", "tpu", "--transport", "inproc"], "unknown device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, pair_args, argv, message):
     code, out, err = run_cli(capsys, argv[:2] + pair_args + argv[2:])

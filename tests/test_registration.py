@@ -185,6 +185,45 @@ def test_serve_rejects_bad_registration_flags(kind, argv, needle, capsys):
     assert len(lines) == 1 and needle in lines[0], err
 
 
+@pytest.mark.parametrize("kind", ["verifier", "drafter", "coordinator"])
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_serve_port_out_of_range_is_refused(kind, port, capsys):
+    """grpc would bind some other port for these; the CLI refuses them before loading anything."""
+    extra = ["--verifier", "127.0.0.1:1"] if kind == "coordinator" else ["--model", "/nonexistent/model"]
+    code, err = run_cli(capsys, ["serve", kind, "--port", port, *extra])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--port must be in [0, 65535]" in lines[0], err
+
+
+@pytest.fixture
+def taken_port():
+    """A loopback port another socket is listening on."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["verifier", "drafter", "coordinator"])
+def test_serve_on_a_taken_port_is_one_line(kind, taken_port, tiny_pair, capsys):
+    model = {"verifier": tiny_pair[0], "drafter": tiny_pair[1]}.get(kind)
+    extra = ["--verifier", "127.0.0.1:1"] if kind == "coordinator" else ["--model", str(model)]
+    code, err = run_cli(capsys, ["serve", kind, "--port", str(taken_port), *extra])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"cannot bind 127.0.0.1:{taken_port}" in lines[0], err
+
+
+@pytest.mark.parametrize("argv, needle", [(["--metrics-port", "99999"], "--metrics-port must be in"),
+                                          (["--metrics-port", "TAKEN"], "cannot serve metrics on 127.0.0.1:")])
+def test_coordinator_bad_metrics_port_is_one_line(argv, needle, taken_port, capsys):
+    argv = [str(taken_port) if a == "TAKEN" else a for a in argv]
+    code, err = run_cli(capsys, ["serve", "coordinator", "--port", "0", "--verifier", "127.0.0.1:1", *argv])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
 def test_coordinator_without_replicas_or_registry_is_refused(capsys):
     code, err = run_cli(capsys, ["serve", "coordinator", "--port", "0"])
     assert code == 2 and "--redis-url" in err and len(err.strip().splitlines()) == 1

@@ -99,6 +99,12 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "12
 
     Stop with ``server.shutdown()``. Binds loopback unless told otherwise.
     """
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except (OSError, OverflowError) as exc:
+        from steerspec.errors import UsageError
+
+        raise UsageError(f"cannot serve metrics on {addr}:{port} ({getattr(exc, 'strerror', None) or exc}); "
+                         "choose another --metrics-port (0 = any free port) or --metrics-host") from None
     del thread  # a daemon thread; it lives as long as the server
     return server, int(server.server_address[1])
