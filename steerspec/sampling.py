@@ -16,6 +16,9 @@ Generators = Union[torch.Generator, Sequence[torch.Generator], None]
 MAX_DRAFT_TOP_K = 1024
 
 
+MIN_TEMPERATURE = 1e-5  # below this (as vLLM's sampling epsilon) only 0 = greedy makes sense
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
@@ -32,6 +35,9 @@ class SamplingParams:
         """Raise ValueError with an actionable message when a parameter is out of range."""
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf, then NaN
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature:g}")
         if self.temperature > 100.0:
             raise ValueError(f"temperature must be at most 100, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -101,19 +107,20 @@ def wire_dist(ids: Tensor, weights: Tensor, vocab: int) -> SparseDist:
     """The distribution a sparse row of fp16 weights denotes, identically on both sides of the wire.
 
     Listed ids get their weight; the mass left below 1 is spread evenly over the vocab − S unlisted
-    ids; rows summing above 1 are scaled to 1. Sums run in float64, where adding fp16 values is
+    ids; rows summing above 1, and every row when all ids are listed, are scaled to sum to 1. Sums run in float64, where adding fp16 values is
     exact in any order, so drafter and verifier derive the same bits from the same bytes.
     """
     weights = weights.float()
     total = weights.sum(-1, dtype=torch.float64)
     probs = weights
-    if bool((total > 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
-        probs = (weights.double() / total.clamp(min=1.0).unsqueeze(-1)).float()
     unlisted = vocab - ids.shape[-1]
-    if unlisted > 0:
-        floor = torch.sub(1.0, total).clamp_(min=0.0).div_(unlisted).float()
-    else:  # the whole vocabulary is listed: nothing left to spread
+    if unlisted <= 0:  # the whole vocabulary is listed: no tail takes what fp16 rounded off, so every row is scaled
+        probs = (weights.double() / total.unsqueeze(-1)).float()
         floor = torch.zeros_like(total, dtype=torch.float32)
+    else:
+        if bool((total > 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
+            probs = (weights.double() / total.clamp(min=1.0).unsqueeze(-1)).float()
+        floor = torch.sub(1.0, total).clamp_(min=0.0).div_(unlisted).float()
     return SparseDist(ids=ids, probs=probs, floor=floor, vocab=vocab)
 
 

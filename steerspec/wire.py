@@ -210,9 +210,9 @@ def tensor_from_proto(msg: common_pb2.Tensor, size: Optional[int] = None, what: 
     if msg.dtype not in WIRE_DTYPES:
         raise invalid(f"{what}.dtype {msg.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     shape = [int(s) for s in msg.shape]
-    if not shape or any(s == 0 for s in shape):
+    if not shape or any(s <= 0 for s in shape):
         raise invalid(f"{what}.shape {shape} must be non-empty with positive sizes")
-    count = int(np.prod(shape))
+    count = math.prod(shape)  # Python ints: a numpy product would wrap around for huge sizes
     if size is not None and count != size:
         raise invalid(f"{what} has {count} values (shape {shape}); expected {size}")
     itemsize = 4 if msg.dtype == "float32" else 2

@@ -248,6 +248,7 @@ V_ABORT_CASES = [
     ("temperature NaN", v_open(temperature=math.nan), C.INVALID_ARGUMENT, "temperature"),
     ("temperature inf", v_open(temperature=math.inf), C.INVALID_ARGUMENT, "temperature"),
     ("temperature above 100", v_open(temperature=1000.0), C.INVALID_ARGUMENT, "temperature"),
+    ("temperature tiny", v_open(temperature=1e-40), C.INVALID_ARGUMENT, "at least 1e-05"),
     ("top_p above 1", v_open(temperature=1.0, top_p=1.5), C.INVALID_ARGUMENT, "top-p"),
     ("top_p negative", v_open(temperature=1.0, top_p=-0.5), C.INVALID_ARGUMENT, "top-p"),
     ("top_p NaN", v_open(temperature=1.0, top_p=math.nan), C.INVALID_ARGUMENT, "top_p"),
@@ -324,6 +325,8 @@ BAD_STEERING = [
     ("bytes too short", steer(data=b"\0" * 10), "bytes"),
     ("NaN", NAN_STEER, "NaN"),
     ("empty shape", steer(shape=[]), "shape"),
+    # 1824726041 · 315916329 = 1 + 2⁵⁹, so this shape's int64 product wraps to 32: the size check must hold
+    ("shape overflowing int64", steer(shape=[HIDDEN, 1824726041, 315916329]), f"expected {HIDDEN}"),
 ]
 
 D_ABORT_CASES = [
@@ -341,6 +344,7 @@ D_ABORT_CASES = [
      "draft_top_k"),
     ("unknown policy", "plain", d_open(policy="no-such-policy"), C.INVALID_ARGUMENT, "unknown draft-length policy"),
     ("temperature negative", "plain", d_open(temperature=-0.5), C.INVALID_ARGUMENT, "temperature"),
+    ("temperature tiny", "plain", d_open(temperature=1e-40), C.INVALID_ARGUMENT, "at least 1e-05"),
     ("top_p above 1", "plain", d_open(temperature=1.0, top_p=2.0), C.INVALID_ARGUMENT, "top-p"),
     ("steering on a plain drafter", "plain", d_open(steering=steer()), C.FAILED_PRECONDITION,
      "no SD² steering weights"),

@@ -85,6 +85,21 @@ def test_draft_distribution_spreads_the_dropped_mass_evenly():
     assert off.probs.sum(-1).min() > dist.probs.sum(-1).max()
 
 
+def test_full_vocabulary_q_is_normalised_so_the_output_is_p():
+    """draft-top-k 0 lists every id: what fp16 rounds off has no tail to go to, so rows are rescaled;
+    otherwise the drafter samples q / Σq while the verifier accepts with p / q (output ≠ p)."""
+    vocab = 50_000
+    q_true = torch.full((1, vocab), (1 - 0.9762) / (vocab - 1), dtype=torch.float64)
+    q_true[0, 0] = 0.9762  # the rest sit in fp16's subnormal range, where rounding down loses ~10%
+    q = draft_distribution(q_true.float(), 0).to_dense(vocab)[0].double()
+    assert abs(float(q.sum()) - 1.0) < 1e-6
+    p = torch.full((vocab,), 0.1 / (vocab - 1), dtype=torch.float64)
+    p[0] = 0.9
+    accepted = torch.minimum(p, q)  # drafted and accepted, plus the residual after a rejection
+    out = accepted + (1 - accepted.sum()) * (p - q).clamp(min=0) / (p - q).clamp(min=0).sum()
+    assert torch.allclose(out, p, atol=1e-7, rtol=0)
+
+
 def test_wire_dist_is_exact_whatever_the_row_shape():
     torch.manual_seed(4)
     probs = torch.randn(8, 1000).softmax(-1)
@@ -125,6 +140,7 @@ def test_sampling_is_seeded_and_respects_support():
         (SamplingParams(top_p=0.0), "top-p"),
         (SamplingParams(top_p=1.5), "top-p"),
         (SamplingParams(top_k=-1), "top-k"),
+        (SamplingParams(temperature=1e-40), "at least 1e-05"),  # logits / T would overflow to NaN
     ],
 )
 def test_params_validation(params, message):
