@@ -101,6 +101,8 @@ class Store(abc.ABC):
             except Exception as exc:  # a checkpoint failure must not end the generation
                 self.write_errors += 1
                 log.warning("checkpoint write for session %s failed: %s", session_id, exc)
+        if self._writers.get(session_id) is asyncio.current_task():  # done: nothing left for flush to wait on
+            del self._writers[session_id]
 
     async def flush(self, session_id: Optional[str] = None) -> None:
         """Wait until the checkpoint writes of one session (or all) are done."""
@@ -121,13 +123,33 @@ class Store(abc.ABC):
 
 
 class InProcessStore(Store):
-    """The embedded default: everything in this process's memory."""
+    """The embedded default: everything in this process's memory. Session records expire
+    SESSION_TTL_S after their last write, as they do in Redis, so a long-lived coordinator stays bounded."""
 
     def __init__(self, clock=time.monotonic) -> None:
         super().__init__()
         self._clock = clock
         self._endpoints: Dict[tuple, tuple] = {}  # (kind, address) -> (expires_at, meta)
         self._sessions: Dict[str, SessionRecord] = {}
+        self._session_expiry: Dict[str, float] = {}
+        self._next_prune = 0.0
+
+    def _record(self, session_id: str, write: bool = True) -> Optional[SessionRecord]:
+        """The live record (a write pushes its expiry back, as in Redis), or None."""
+        now = self._clock()
+        if now >= self._next_prune:  # drop expired records at most once a minute
+            for sid in [sid for sid, exp in self._session_expiry.items() if exp <= now]:
+                self._sessions.pop(sid, None)
+                del self._session_expiry[sid]
+            self._next_prune = now + 60.0
+        rec = self._sessions.get(session_id)
+        if rec is not None:
+            if self._session_expiry[session_id] <= now:
+                del self._sessions[session_id], self._session_expiry[session_id]
+                return None
+            if write:
+                self._session_expiry[session_id] = now + SESSION_TTL_S
+        return rec
 
     async def register(self, kind, address, ttl_s, meta=None):
         self._endpoints[(kind, address)] = (self._clock() + ttl_s, dict(meta or {}))
@@ -152,26 +174,28 @@ class InProcessStore(Store):
 
     async def create_session(self, session_id, params, placement):
         self._sessions[session_id] = SessionRecord(session_id, dict(params), dict(placement), [])
+        self._session_expiry[session_id] = self._clock() + SESSION_TTL_S
+        self._record(session_id)
 
     async def set_placement(self, session_id, placement):
-        rec = self._sessions.get(session_id)
+        rec = self._record(session_id)
         if rec is not None:
             rec.placement = dict(placement)
 
     async def get_session(self, session_id):
-        rec = self._sessions.get(session_id)
+        rec = self._record(session_id, write=False)
         if rec is None:
             return None
         return SessionRecord(rec.session_id, dict(rec.params), dict(rec.placement), list(rec.token_ids),
                              rec.status, rec.finish_reason)
 
     async def _write_tokens(self, session_id, token_ids):
-        rec = self._sessions.get(session_id)
+        rec = self._record(session_id)
         if rec is not None:
             rec.token_ids.extend(token_ids)
 
     async def _finish(self, session_id, status, reason):
-        rec = self._sessions.get(session_id)
+        rec = self._record(session_id)
         if rec is not None:
             rec.status, rec.finish_reason = status, reason
 

@@ -133,3 +133,26 @@ async def test_pinned_drafters_keep_a_coordinator_on_its_own_edge_while_one_is_l
     assert await placer.choose("drafter", exclude=["edge-a:1", "edge-a:2", "edge-b:1"]) is None  # verifier-only
     assert await placer.choose("verifier") == "v:1"  # an empty pin is no pin
     assert await Placer(store).choose("drafter") == "edge-b:1"  # unpinned: any registered drafter
+
+
+async def test_inprocess_sessions_expire_like_redis_and_writers_are_dropped():
+    """The embedded store stays bounded in a long-lived coordinator: a record lives SESSION_TTL_S
+    past its last write (as the Redis keys do), and a finished checkpoint writer is not kept."""
+    from coordinator.store import SESSION_TTL_S
+
+    now = [0.0]
+    store = InProcessStore(clock=lambda: now[0])
+    await store.create_session("old", {}, {})
+    await store.create_session("busy", {}, {})
+    store.append_tokens("old", [1])
+    await asyncio.sleep(0)  # the writer runs and finishes without anybody calling flush
+    await asyncio.sleep(0)
+    assert "old" not in store._writers and (await store.get_session("old")).token_ids == [1]
+    now[0] = SESSION_TTL_S * 0.75
+    store.append_tokens("busy", [2])  # a write pushes its record's expiry back
+    await store.flush()
+    now[0] = SESSION_TTL_S * 1.5
+    await store.create_session("new", {}, {})
+    assert await store.get_session("old") is None
+    assert (await store.get_session("busy")).token_ids == [2]
+    assert set(store._sessions) == {"busy", "new"}
