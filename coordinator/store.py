@@ -134,14 +134,18 @@ class InProcessStore(Store):
         self._session_expiry: Dict[str, float] = {}
         self._next_prune = 0.0
 
-    def _record(self, session_id: str, write: bool = True) -> Optional[SessionRecord]:
-        """The live record (a write pushes its expiry back, as in Redis), or None."""
-        now = self._clock()
-        if now >= self._next_prune:  # drop expired records at most once a minute
+    def _prune(self, now: float) -> None:
+        """Drop expired session records (at most once a minute)."""
+        if now >= self._next_prune:
             for sid in [sid for sid, exp in self._session_expiry.items() if exp <= now]:
                 self._sessions.pop(sid, None)
                 del self._session_expiry[sid]
             self._next_prune = now + 60.0
+
+    def _record(self, session_id: str, write: bool = True) -> Optional[SessionRecord]:
+        """The live record (a write pushes its expiry back, as in Redis), or None."""
+        now = self._clock()
+        self._prune(now)
         rec = self._sessions.get(session_id)
         if rec is not None:
             if self._session_expiry[session_id] <= now:
@@ -173,9 +177,10 @@ class InProcessStore(Store):
                       key=lambda e: e.address)
 
     async def create_session(self, session_id, params, placement):
+        now = self._clock()
+        self._prune(now)
         self._sessions[session_id] = SessionRecord(session_id, dict(params), dict(placement), [])
-        self._session_expiry[session_id] = self._clock() + SESSION_TTL_S
-        self._record(session_id)
+        self._session_expiry[session_id] = now + SESSION_TTL_S
 
     async def set_placement(self, session_id, placement):
         rec = self._record(session_id)

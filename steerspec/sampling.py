@@ -107,20 +107,21 @@ def wire_dist(ids: Tensor, weights: Tensor, vocab: int) -> SparseDist:
     """The distribution a sparse row of fp16 weights denotes, identically on both sides of the wire.
 
     Listed ids get their weight; the mass left below 1 is spread evenly over the vocab − S unlisted
-    ids; rows summing above 1, and every row when all ids are listed, are scaled to sum to 1. Sums run in float64, where adding fp16 values is
-    exact in any order, so drafter and verifier derive the same bits from the same bytes.
+    ids. Rows summing above 1 are scaled to 1, and so is every row when all ids are listed (no tail
+    takes what fp16 rounded off). Sums run in float64, where adding fp16 values is exact in any
+    order, so drafter and verifier derive the same bits from the same bytes.
     """
     weights = weights.float()
     total = weights.sum(-1, dtype=torch.float64)
-    probs = weights
     unlisted = vocab - ids.shape[-1]
-    if unlisted <= 0:  # the whole vocabulary is listed: no tail takes what fp16 rounded off, so every row is scaled
-        probs = (weights.double() / total.unsqueeze(-1)).float()
-        floor = torch.zeros_like(total, dtype=torch.float32)
-    else:
-        if bool((total > 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
-            probs = (weights.double() / total.clamp(min=1.0).unsqueeze(-1)).float()
+    divisor = total.clamp(min=1.0) if unlisted > 0 else total
+    probs = weights
+    if bool((divisor != 1.0).any()):  # dividing by 1 changes nothing, so only such rows pay for it
+        probs = (weights.double() / divisor.unsqueeze(-1)).float()
+    if unlisted > 0:
         floor = torch.sub(1.0, total).clamp_(min=0.0).div_(unlisted).float()
+    else:
+        floor = torch.zeros_like(total, dtype=torch.float32)
     return SparseDist(ids=ids, probs=probs, floor=floor, vocab=vocab)
 
 
