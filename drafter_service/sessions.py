@@ -11,8 +11,6 @@ steerspec/drafting.py): one batched forward pass per draft step, each session as
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,43 +23,23 @@ from torch import Tensor
 from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
-from steerspec.policies.base import PolicyBase
-from steerspec.policies.fixed import FixedK
+from steerspec.policies import BlockFeedback, PolicyError, make_policy
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sampling import SamplingParams, SparseDist
 from steerspec.wire import ProtocolError, invalid
 
 
-def resolve_policy(name: str, k: int):
-    """A draft-length policy by name: "fixed" (default), or one from steerspec/policies/.
-
-    Lookup: `steerspec.policies.make_policy(name, k)` when the package provides it, else the
-    module `steerspec.policies.<name>` and the policy class defined there, built with k."""
-    name = (name or "fixed").strip().lower()
-    if name == "fixed":
-        return FixedK(k)
-    import steerspec.policies as policies
-
-    factory = getattr(policies, "make_policy", None) or getattr(policies, "get_policy", None)
+def resolve_policy(spec: str, k: int):
+    """The draft-length policy a registry spec names (`name:key=value,...`); a bare or empty
+    spec is `fixed` with the session's k. A bad spec is INVALID_ARGUMENT with the known names."""
+    spec = (spec or "fixed").strip()
+    if spec == "fixed":
+        spec = f"fixed:k={k}"
     try:
-        if factory is not None:
-            return factory(name, k)
-        module = importlib.import_module(f"steerspec.policies.{name}")
-    except (ImportError, KeyError, ValueError) as exc:
-        raise invalid(f"unknown draft-length policy {name!r} ({exc}); use 'fixed' or a policy in "
-                      "steerspec/policies/") from None
-    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
-               if issubclass(c, PolicyBase) and c is not PolicyBase and c.__module__ == module.__name__]
-    if not classes:
-        raise invalid(f"steerspec.policies.{name} defines no draft-length policy class")
-    cls = classes[0]
-    for kwargs in ({"k": k}, {"max_k": k}, {}):
-        try:
-            return cls(**kwargs)
-        except TypeError:
-            continue
-    raise invalid(f"cannot build policy {name!r} with k={k}")
+        return make_policy(spec)
+    except PolicyError as exc:
+        raise invalid(str(exc)) from None
 
 
 @dataclass
@@ -215,7 +193,7 @@ class Drafter:
         if session.lm.length > n + accepted:
             session.lm.rollback(n + accepted)
         if proposal.draft_ids:
-            session.policy.update(accepted, len(proposal.draft_ids))
+            session.policy.update(BlockFeedback(accepted, len(proposal.draft_ids)))
         if steering is not None:
             session.steering = steering
         session.proposal = None

@@ -23,7 +23,7 @@ from torch import Tensor
 from steerspec.engine import DecodeConfig
 from steerspec.models.batched import batched_extend
 from steerspec.models.kv import CachedLM
-from steerspec.policies.base import DraftLengthPolicy
+from steerspec.policies.base import DraftLengthPolicy, DraftStep
 from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
 from steerspec.speculative import DraftBlock
 
@@ -67,7 +67,7 @@ def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequen
             chosen = sub.argmax(-1)
             tokens[members] = chosen
             for r, j in enumerate(members):
-                _maybe_stop(rows[j], drafted[j], step, lambda: sub[r : r + 1].softmax(-1)[0])
+                _maybe_stop(rows[j], drafted[j], step, chosen[r], lambda: sub[r : r + 1].softmax(-1)[0])
             continue
         temperature, top_k, top_p, draft_top_k, draft_tail = key
         probs_full = probs_from_logits(sub, temperature, top_k, top_p)
@@ -77,15 +77,15 @@ def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequen
             token = sample_sparse(own, rows[j].generator)  # [1], from this row's generator only
             tokens[j : j + 1] = token
             drafted[j].q_rows.append(own)
-            _maybe_stop(rows[j], drafted[j], step, lambda: probs_full[r])
+            _maybe_stop(rows[j], drafted[j], step, token[0], lambda: probs_full[r])
     return tokens
 
 
-def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, probs) -> None:
+def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, token: Tensor, probs) -> None:
     """Ask a stopping policy after draft `step`, as `draft_block` does (probs built only then)."""
     policy = row.policy
     if policy is not None and getattr(policy, "stops_early", False) and step + 1 < row.k:
-        drafted.stopped = bool(policy.should_stop(probs(), step))
+        drafted.stopped = bool(policy.observe(DraftStep(step, int(token), probs())))
 
 
 def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:

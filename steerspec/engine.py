@@ -29,7 +29,7 @@ from torch import Tensor
 
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
-from steerspec.policies.base import DraftLengthPolicy
+from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep
 from steerspec.policies.fixed import FixedK
 from steerspec.sampling import SamplingParams, SparseDist, draft_distribution, probs_from_logits, sample, sample_sparse
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
@@ -136,7 +136,7 @@ def draft_block(
             q_rows.append(dist)
             probs = probs_full[0]
         tokens.append(token)
-        if stops_early and i + 1 < k and policy.should_stop(probs, i):
+        if stops_early and i + 1 < k and policy.observe(DraftStep(i, int(token), probs)):
             break
         feed = token
     if tokens:
@@ -262,7 +262,7 @@ def speculative_generate(
         result.draft_s += t1 - t0
         result.verify_s += t2 - t1
         if drafted:
-            policy.update(accepted, drafted)
+            policy.update(BlockFeedback(accepted, drafted, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3))
         if on_round is not None:
             on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
     if verifier.device.type == "cuda":

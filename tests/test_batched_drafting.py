@@ -60,8 +60,8 @@ class StopWhenUnsure(PolicyBase):
     def next_k(self) -> int:
         return self.k
 
-    def should_stop(self, draft_probs, position, hidden=None) -> bool:
-        return bool(draft_probs.max() < self.floor)
+    def observe(self, step) -> bool:
+        return bool(step.probs.max() < self.floor)
 
 
 def _prompts(vocab: int, lengths: Sequence[int], seed: int = 0) -> List[List[int]]:

@@ -120,12 +120,12 @@ class StopAfterOne(PolicyBase):
     def next_k(self) -> int:
         return 8
 
-    def should_stop(self, draft_probs, position, hidden=None) -> bool:
-        assert draft_probs.dim() == 1 and abs(float(draft_probs.sum()) - 1) < 1e-4
+    def observe(self, step) -> bool:
+        assert step.probs.dim() == 1 and abs(float(step.probs.sum()) - 1) < 1e-4
         return True
 
-    def update(self, accepted, drafted):
-        self.updates.append((accepted, drafted))
+    def update(self, feedback):
+        self.updates.append((feedback.accepted, feedback.drafted))
 
 
 def test_policy_hooks_keep_output_exact(engine, greedy_reference):

@@ -1,58 +1,116 @@
-"""The draft-length policy interface.
+"""The draft-length policy contract: what a policy sees per drafted token and per block.
 
-The engine asks `next_k()` before each block, may consult `should_stop(...)` after every draft
-token (only when `stops_early` is True, so fixed policies cost nothing per token), and reports
-the verifier's verdict with `update(accepted, drafted)` after each block.
+The draft loop asks `next_k()` before each block. When `stops_early` is True it calls
+`observe(step)` after every drafted token (fixed policies cost nothing per token) and stops
+the block when it returns True. After the verifier answers, `update(feedback)` reports the
+verdict and the block's measured stage times. A policy's state is part of the session:
+`state_dict()` is JSON-serialisable and `load_state_dict` restores it after a failover.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Protocol, runtime_checkable
 
 from torch import Tensor
 
 MIN_K, MAX_K = 1, 64
 
 
+@dataclass(frozen=True)
+class DraftStep:
+    """One drafted token as the sampler saw it.
+
+    `position` is 0-based in the block; `probs` [V] is the drafter's distribution exactly as the
+    sampler used it (temperature, top-k and top-p applied; for greedy blocks the temperature-1
+    softmax under the same top-k/top-p); `hidden` [D] is the drafter's final hidden state (after
+    its final norm, what the LM head read) at the position that produced this token, present
+    only when the policy declares `needs_hidden`.
+    """
+
+    position: int
+    token: int
+    probs: Tensor
+    hidden: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class BlockFeedback:
+    """The verifier's verdict on one block and its measured cost (milliseconds; 0 when unknown)."""
+
+    accepted: int
+    drafted: int
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    queue_ms: float = 0.0
+    network_ms: float = 0.0
+
+
 @runtime_checkable
 class DraftLengthPolicy(Protocol):
-    """What the engine needs from a policy."""
+    """What the draft loop needs from a policy."""
 
+    name: str
     stops_early: bool
+    needs_hidden: bool
+    max_k: int
 
     def next_k(self) -> int:
-        """Draft length for the next block (1..64)."""
+        """Draft length for the next block (1..max_k)."""
 
-    def update(self, accepted: int, drafted: int) -> None:
-        """The verifier accepted `accepted` of `drafted` tokens of the last block."""
+    def observe(self, step: DraftStep) -> bool:
+        """After drafting `step`: True stops the block here (called only when `stops_early`)."""
 
-    def should_stop(self, draft_probs: Tensor, position: int, hidden: Optional[Tensor] = None) -> bool:
-        """After drafting token `position` (0-based) from `draft_probs` [V]: stop the block here?"""
+    def update(self, feedback: BlockFeedback) -> None:
+        """The verifier's verdict on the last block."""
 
     def reset(self) -> None:
         """A new sequence starts."""
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The policy's adaptive state (JSON-serialisable), carried with the session."""
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the state `state_dict` returned (after a drafter failover)."""
+
 
 class PolicyBase:
-    """Defaults: never stop early, keep no state."""
+    """Defaults: never stop early, need no hidden state, keep no adaptive state."""
 
+    name = "base"
     stops_early = False
+    needs_hidden = False
+    max_k = MAX_K
 
     def next_k(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def update(self, accepted: int, drafted: int) -> None:
-        return None
-
-    def should_stop(self, draft_probs: Tensor, position: int, hidden: Optional[Tensor] = None) -> bool:
+    def observe(self, step: DraftStep) -> bool:
         return False
+
+    def update(self, feedback: BlockFeedback) -> None:
+        return None
 
     def reset(self) -> None:
         return None
 
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
 
-def check_k(k: int) -> int:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        return None
+
+
+def check_k(k: int, name: str = "k") -> int:
     """Validate a draft length."""
-    if not (MIN_K <= int(k) <= MAX_K):
-        raise ValueError(f"k (draft length) must be in [{MIN_K}, {MAX_K}], got {k}")
+    if not (MIN_K <= int(k) <= MAX_K) or int(k) != k:
+        raise ValueError(f"{name} (draft length) must be an integer in [{MIN_K}, {MAX_K}], got {k}")
     return int(k)
+
+
+def check_open_unit(value: float, name: str) -> float:
+    """Validate a threshold in (0, 1)."""
+    value = float(value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value}")
+    return value

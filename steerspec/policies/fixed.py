@@ -1,15 +1,22 @@
-"""Fixed draft length: every block proposes exactly k tokens."""
+"""Fixed draft length (the papers' SpecDecode): every block proposes exactly k tokens."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from steerspec.policies.base import PolicyBase, check_k
+from steerspec.policies.registry import Key, register
 
 
+@register("fixed", {"k": Key(int, 8, "tokens per block")}, doc="standard speculative decoding")
 class FixedK(PolicyBase):
     """k tokens per block, always."""
 
-    def __init__(self, k: int = 8) -> None:
+    name = "fixed"
+
+    def __init__(self, k: int = 8, context: Optional[Any] = None) -> None:
         self.k = check_k(k)
+        self.max_k = self.k
 
     def next_k(self) -> int:
         return self.k
