@@ -95,7 +95,7 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     name, _, rest = text.partition(":")
     name = name.strip()
     if name not in registry:
-        raise PolicyError(f"unknown policy {name!r}; known policies: {', '.join(sorted(registry))}")
+        raise PolicyError(f"unknown draft-length policy {name!r}; known policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     params: Dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
