@@ -6,7 +6,10 @@
 - `coordinator.results` — per-block costs (`BlockStats`) and `DistributedResult`;
 - `coordinator.streams` — shared channels, streams that report failed replicas;
 - `coordinator.placement.Placer` — least-loaded / round-robin replica choice;
-- `coordinator.local` — `LocalCluster` (in-process servers) and `run_distributed` (local Ray).
+- `coordinator.launch` — `launch(Services(...), "local"|"ray")`, the one launcher (and the one `ray.init`);
+  `run_distributed` is `steerspec run --transport grpc`;
+- `coordinator.local` — `LocalCluster`, the local deployment (every server in this process);
+- `coordinator.ray_app` — the Ray actors and `deploy` (placement by custom resources).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ _EXPORTS = {
     "SessionError": "coordinator.streams",
     "DistributedResult": "coordinator.results",
     "LocalCluster": "coordinator.local",
-    "run_distributed": "coordinator.local",
+    "Services": "coordinator.launch",
+    "launch": "coordinator.launch",
+    "run_distributed": "coordinator.launch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -136,5 +136,29 @@ def eos_token_ids(model, tokenizer=None) -> tuple:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * heads * head_dim * itemsize
+
+
 def parameter_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+
+
+def apply_threads(threads: int, verifier) -> int:
+    """Set torch's intra-op threads (0 = auto, see --threads); returns the count in use."""
+    if threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = auto), got {threads}")
+    if threads == 0 and verifier.device.type == "cpu" and parameter_count(verifier) < SMALL_MODEL_PARAMS:
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
