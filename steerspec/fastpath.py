@@ -1,0 +1,131 @@
+"""`draft_block` and `verify_block` with sampling on the device and one device→host copy per block.
+
+The host path samples with `torch.multinomial` and branches on tensor values, so a GPU block
+waits on the device several times per token. Here each draft step stays on the device (graphed
+one-token step on CUDA, `device_sampling.draft_step`), and the block's tokens and sparse q come
+to the host in one packed copy; verification scores [pending, d_1..d_k] (graphed per k+1 bucket),
+accepts/rejects on the device and copies (accepted, next token, bonus) once. Greedy blocks give
+exactly the host path's tokens; sampled ones the same distribution from other draws.
+
+STEERSPEC_DEVICE_SAMPLING: `auto` (default: on for CUDA models), `1` (also on a CPU, as the tests
+run it) or `0` (never). Policies that stop inside a block need per-token host values and keep the
+host path (`applies`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from steerspec import device_sampling as ds
+from steerspec.models.kv import CachedLM
+from steerspec.sampling import SparseDist
+from steerspec.speculative import DraftBlock, VerifyOutcome
+
+if TYPE_CHECKING:
+    from steerspec.engine import DecodeConfig
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether device-side sampling serves models on `device` (STEERSPEC_DEVICE_SAMPLING)."""
+    mode = os.environ.get("STEERSPEC_DEVICE_SAMPLING", "auto").lower()
+    if mode in ("1", "on", "true"):
+        return True
+    if mode in ("0", "off", "false"):
+        return False
+    return device.type == "cuda"
+
+
+def applies(lm: CachedLM, policy=None) -> bool:
+    """True when this block can take the device path (enabled, and no per-token stopping policy)."""
+    return enabled(lm.device) and not (policy is not None and getattr(policy, "stops_early", False))
+
+
+def _uniforms(rows: int, cols: int, generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+    """Uniforms on `device` from the generator wherever it lives (one draw per block)."""
+    gen_device = device if generator is None else generator.device
+    u = ds.uniforms(rows, cols, generator, gen_device)
+    return u.to(device, non_blocking=True)
+
+
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """Flatten tensors into one float32 vector (ids < 2^24 are exact) for a single host copy."""
+    return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unpack(flat: Tensor, shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]]) -> List[Tensor]:
+    """Split a packed host vector back into tensors of the given shapes and dtypes."""
+    out, offset = [], 0
+    for shape, dtype in shapes:
+        size = 1
+        for d in shape:
+            size *= d
+        out.append(flat[offset : offset + size].view(shape).to(dtype))
+        offset += size
+    return out
+
+
+@torch.inference_mode()
+def draft_block(drafter: CachedLM, committed: Sequence[int], k: int, config: "DecodeConfig",
+                generator: Optional[torch.Generator] = None) -> DraftBlock:
+    """`engine.draft_block` without a stopping policy: k drafts sampled on the device; the
+    DraftBlock (tokens [1, k], q ids/probs [1, k, S], floor [1, k]) arrives on the host at once."""
+    params = config.sampling
+    greedy = params.greedy
+    device = drafter.device
+    if k <= 0:
+        return DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0]))
+    u = None if greedy else _uniforms(k, 2, generator, device)
+    feed: object = committed[drafter.length:]
+    tokens: List[Tensor] = []
+    dists: List[SparseDist] = []
+    for i in range(k):
+        logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
+        token, dist = ds.draft_step(logits, greedy, params.temperature, params.top_k, params.top_p,
+                                    config.draft_top_k, config.draft_tail, None if u is None else u[i : i + 1])
+        tokens.append(token)
+        if dist is not None:
+            dists.append(dist)
+        feed = token
+    block_tokens = torch.cat(tokens)
+    if greedy:
+        return DraftBlock(tokens=block_tokens.cpu().view(1, k), lengths=torch.tensor([k]))
+    q = SparseDist.stack(dists, dim=1)  # [1, k, S]
+    support = q.ids.shape[-1]
+    host = pack([block_tokens, q.ids, q.probs, q.floor]).cpu()  # the block's one device→host copy
+    tok, ids, probs, floor = unpack(host, [((1, k), torch.long), ((1, k, support), torch.long),
+                                           ((1, k, support), torch.float32), ((1, k), torch.float32)])
+    return DraftBlock(tokens=tok, lengths=torch.tensor([k]), q=SparseDist(ids=ids, probs=probs, floor=floor,
+                                                                          vocab=q.vocab))
+
+
+@torch.inference_mode()
+def verify_block(verifier: CachedLM, pending: int, block: DraftBlock, config: "DecodeConfig",
+                 generator: Optional[torch.Generator] = None,
+                 hidden_layers: Optional[Sequence[int]] = None) -> Tuple[VerifyOutcome, Optional[Tensor]]:
+    """`engine.verify_block` with acceptance and the recovered/bonus token decided on the device;
+    the outcome (host tensors) costs one device→host copy. Hidden states stay on the device."""
+    start = verifier.length
+    device = verifier.device
+    width = int(block.tokens.shape[1])
+    feed = torch.cat([torch.tensor([pending], dtype=torch.long), block.tokens[0].cpu()]) \
+        if block.tokens.device.type == "cpu" else \
+        torch.cat([torch.tensor([pending], dtype=torch.long, device=block.tokens.device), block.tokens[0]])
+    out = verifier.extend(feed.to(device, non_blocking=True), hidden_layers)
+    logits = out.logits.unsqueeze(0)  # [1, k+1, V]
+    on_device = DraftBlock(block.tokens.to(device, non_blocking=True), block.lengths.to(device, non_blocking=True),
+                           None if block.q is None else block.q.map(lambda t: t.to(device, non_blocking=True)))
+    params = config.sampling
+    if params.greedy:
+        outcome = ds.greedy_verify_device(logits, on_device.tokens, on_device.lengths)
+    else:
+        probs = ds.warp_probs(logits[0], params.temperature, params.top_k, params.top_p).unsqueeze(0)
+        outcome = ds.rejection_sample_device(probs, on_device, _uniforms(1, width + 1, generator, device))
+    host = torch.stack([outcome.accepted, outcome.next_tokens, outcome.is_bonus.long()]).cpu()  # one copy
+    accepted = int(host[0, 0])
+    verifier.rollback(start + 1 + accepted)
+    hidden = out.hidden[:, accepted] if hidden_layers else None
+    return VerifyOutcome(accepted=host[0], next_tokens=host[1], is_bonus=host[2].bool()), hidden
