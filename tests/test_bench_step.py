@@ -22,7 +22,7 @@ def test_bench_step_rows_and_json(tiny_pair, tmp_path, capsys):
     out = tmp_path / "step.json"
     verifier, drafter = tiny_pair
     args = _args("--verifier", str(verifier), "--drafter", str(drafter), "--iters", "3", "--warmup", "1",
-                 "--prefix", "16", "--k", "4", "--out", str(out))
+                 "--prefix", "16", "--k", "4", "--profile", "1", "--out", str(out))
     assert step.run(args) == 0
     report = json.loads(out.read_text())
     (entry,) = report["dtypes"]
@@ -34,6 +34,9 @@ def test_bench_step_rows_and_json(tiny_pair, tmp_path, capsys):
         assert rows[name]["floor"]["median_ms"] > 0 and rows[name]["vs_floor"] > 0
     for name in ("draft_block", "verify_block"):
         assert rows[name]["host"]["median_ms"] > 0 and rows[name]["device"]["median_ms"] > 0
+    for path in ("host", "device"):
+        assert entry["profile"][path]["blocks"] == 1 and entry["profile"][path]["wall_ms"] > 0
+    assert entry["profile"]["host"]["multinomial"] > 0 and entry["profile"]["device"]["multinomial"] == 0
     assert "draft_block" in capsys.readouterr().out
 
 

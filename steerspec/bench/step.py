@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--floor", default="auto", choices=("auto", "compile", "eager", "none"),
                         help="HF StaticCache floor: compiled (reduce-overhead), eager, none; auto = compile on "
                              "CUDA, eager on a CPU")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="also profile N draft+verify blocks per path: kernel launches, syncs, copies (default: 0)")
     parser.add_argument("--out", default="bench-results/step.json", help="JSON output path")
     add_model_arguments(parser)
 
@@ -66,6 +68,36 @@ def time_calls(fn: Callable[[], Any], device: torch.device, iters: int, warmup: 
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return {"median_ms": round(statistics.median(times), 4), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 4)}
+
+
+PROFILE_GROUPS = {
+    "kernel_launches": ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"),
+    "graph_launches": ("cudaGraphLaunch",),
+    "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+    "copies": ("cudaMemcpyAsync", "cudaMemcpy"),
+    "item_calls": ("aten::item", "aten::_local_scalar_dense"),
+    "multinomial": ("aten::multinomial",),
+}
+
+
+def profile_calls(calls: List[Callable[[], Any]], device: torch.device, blocks: int) -> Dict[str, Any]:
+    """Run each call `blocks` times under torch.profiler; count launches, syncs, copies, `.item()`s,
+    and total CPU and device time (ms) — where a block's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(blocks):
+            for call in calls:
+                call()
+        _sync(device)
+    wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    counts = {name: sum(e.count for e in events if e.key in keys) for name, keys in PROFILE_GROUPS.items()}
+    device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    return {"blocks": blocks, **counts, "wall_ms": round(wall, 2), "device_ms": round(device_us / 1e3, 2)}
 
 
 @contextmanager
@@ -174,6 +206,12 @@ def _measure_dtype(args, dtype: str) -> Dict[str, Any]:
         return call
 
     rows["verify_block"] = {"host": timer(verifying(v_fast, False)), "device": timer(verifying(v_graphed, True))}
+    profile = None
+    if args.profile > 0:
+        profile = {
+            "host": profile_calls([drafting(d_fast, False), verifying(v_fast, False)], device, args.profile),
+            "device": profile_calls([drafting(d_graphed, True), verifying(v_graphed, True)], device, args.profile),
+        }
 
     floor_mode = args.floor if args.floor != "auto" else ("compile" if device.type == "cuda" else "eager")
     if floor_mode != "none":
@@ -192,7 +230,7 @@ def _measure_dtype(args, dtype: str) -> Dict[str, Any]:
         floor = row.get("floor", {}).get("median_ms")
         if floor and best:
             row["vs_floor"] = round(best["median_ms"] / floor, 2)
-    return {"dtype": dtype, "floor": floor_mode, "rows": rows}
+    return {"dtype": dtype, "floor": floor_mode, "rows": rows, "profile": profile}
 
 
 def _table(report: Dict[str, Any]):
@@ -233,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     report: Dict[str, Any] = {
         "command": f"steerspec bench step --dtypes {','.join(dtypes)} --k {args.k} --temperature {args.temperature} "
                    f"--draft-top-k {args.draft_top_k} --prefix {args.prefix} --iters {args.iters} "
-                   f"--floor {args.floor} --device {args.device}",
+                   f"--floor {args.floor} --profile {args.profile} --device {args.device}",
         "config": {"verifier": args.verifier, "drafter": args.drafter, "device": args.device, "k": args.k,
                    "temperature": args.temperature, "draft_top_k": args.draft_top_k, "prefix": args.prefix,
                    "iters": args.iters, "warmup": args.warmup},
@@ -248,5 +286,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    Console().print(_table(report))
+    console = Console()
+    console.print(_table(report))
+    for entry in report["dtypes"]:
+        for path, counts in (entry.get("profile") or {}).items():
+            console.print(f"profile {entry['dtype']} {path}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return 0
