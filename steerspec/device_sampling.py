@@ -136,8 +136,8 @@ def greedy_verify_device(target_logits: Tensor, tokens: Tensor, lengths: Tensor)
 
 
 def rejection_sample_device(target_probs: Tensor, block: DraftBlock, u: Tensor) -> VerifyOutcome:
-    """`speculative.rejection_sample` with uniforms u [B, K + 1] given (columns 0..K-1 test the
-    drafts, column K draws the recovered or bonus token by inverse CDF): no host sync."""
+    """`speculative.rejection_sample` with uniforms u [B, K + 1] given (column i < k_b tests draft
+    i of row b, column k_b draws its recovered or bonus token by inverse CDF): no host sync."""
     batch, width = block.tokens.shape
     vocab = target_probs.shape[-1]
     tokens = block.tokens.clamp(0, vocab - 1)
@@ -148,8 +148,9 @@ def rejection_sample_device(target_probs: Tensor, block: DraftBlock, u: Tensor) 
     accepted = accept.long().cumprod(-1).sum(-1)
     p_next = target_probs.gather(1, accepted.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)
     is_bonus = accepted == block.lengths
+    u_next = u.gather(1, block.lengths.view(batch, 1).clamp(max=u.shape[1] - 1)).squeeze(1)
     if width == 0:
-        return VerifyOutcome(accepted, sample_inverse_cdf(p_next, u[:, width]), is_bonus)
+        return VerifyOutcome(accepted, sample_inverse_cdf(p_next, u_next), is_bonus)
     idx = accepted.clamp(max=width - 1).view(batch, 1)
     if block.q is None:
         q_rows = torch.zeros_like(p_next).scatter_(-1, tokens.gather(1, idx), 1.0)
@@ -160,4 +161,4 @@ def rejection_sample_device(target_probs: Tensor, block: DraftBlock, u: Tensor) 
     residual = (p_next - q_rows).clamp(min=0.0)
     empty = residual.sum(-1, keepdim=True) <= 0
     dist = torch.where(is_bonus.unsqueeze(-1) | empty, p_next, residual)
-    return VerifyOutcome(accepted, sample_inverse_cdf(dist, u[:, width]), is_bonus)
+    return VerifyOutcome(accepted, sample_inverse_cdf(dist, u_next), is_bonus)

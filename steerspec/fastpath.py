@@ -129,3 +129,98 @@ def verify_block(verifier: CachedLM, pending: int, block: DraftBlock, config: "D
     verifier.rollback(start + 1 + accepted)
     hidden = out.hidden[:, accepted] if hidden_layers else None
     return VerifyOutcome(accepted=host[0], next_tokens=host[1], is_bonus=host[2].bool()), hidden
+
+
+def _extend_rows(lms: Sequence[CachedLM], feeds: Tensor, counts: Sequence[int],
+                 hidden_layers: Optional[Sequence[int]]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Feed feeds[b, :counts[b]] to lms[b]: one graphed pass when the rows share a static pool,
+    else one extend per row. Returns logits [B, W, V] and hidden [L, B, W, D] (zero-padded)."""
+    from steerspec.models.graphed import can_graph, graphed_extend
+
+    layers = tuple(hidden_layers or ())
+    width = int(feeds.shape[1])
+    if len(lms) > 1 and can_graph(lms, width):
+        logits, hidden = graphed_extend(lms, feeds, counts, layers)
+        return logits[:, :width], None if hidden is None else hidden[:, :, :width]
+    outs = [lm.extend(feeds[b, : counts[b]], layers or None) for b, lm in enumerate(lms)]
+    logits = torch.zeros(len(lms), width, outs[0].logits.shape[-1], dtype=outs[0].logits.dtype,
+                         device=outs[0].logits.device)
+    hidden = None
+    if layers:
+        hidden = torch.zeros(len(layers), len(lms), width, outs[0].hidden.shape[-1], dtype=outs[0].hidden.dtype,
+                             device=outs[0].hidden.device)
+    for b, out in enumerate(outs):
+        logits[b, : counts[b]] = out.logits
+        if hidden is not None:
+            hidden[:, b, : counts[b]] = out.hidden
+    return logits, hidden
+
+
+@torch.inference_mode()
+def verify_blocks(lms: Sequence[CachedLM], pendings: Sequence[int], blocks: Sequence[DraftBlock],
+                  params: Sequence, generators: Sequence[Optional[torch.Generator]],
+                  hidden_layers: Optional[Sequence[int]] = None) -> Tuple[List[Tuple[int, int, bool]], Optional[Tensor]]:
+    """Batched `verify_block` over sessions (each its own cache, batch-1 block, SamplingParams and
+    generator): one forward pass (graphed when the caches share a pool), acceptance on the device,
+    one device→host copy for every row. Returns [(accepted, next token, is bonus)] and the hidden
+    states [B, L, D] at each row's new-pending position (None without hidden_layers)."""
+    batch = len(lms)
+    device = lms[0].device
+    ks = [int(block.tokens.shape[1]) for block in blocks]
+    width = max(ks) + 1
+    starts = [lm.length for lm in lms]
+    feeds = torch.zeros(batch, width, dtype=torch.long)
+    for b, (pending, block) in enumerate(zip(pendings, blocks)):
+        feeds[b, 0] = int(pending)
+        feeds[b, 1 : ks[b] + 1] = block.tokens[0].cpu()
+    logits, hidden = _extend_rows(lms, feeds.to(device, non_blocking=True), [k + 1 for k in ks], hidden_layers)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    is_bonus = torch.zeros(batch, dtype=torch.bool, device=device)
+    groups: dict = {}
+    for b, (block, p) in enumerate(zip(blocks, params)):
+        key = ("greedy",) if p.greedy else ("sample", None if block.q is None else int(block.q.ids.shape[-1]))
+        groups.setdefault(key, []).append(b)
+    lengths = torch.tensor(ks).to(device, non_blocking=True)
+    tokens = feeds[:, 1:].to(device, non_blocking=True)
+    for key, rows in groups.items():
+        index = torch.tensor(rows).to(device, non_blocking=True)
+        sub_logits, sub_tokens, sub_lengths = logits[index], tokens[index, : width - 1], lengths[index]
+        if key[0] == "greedy":
+            outcome = ds.greedy_verify_device(sub_logits, sub_tokens, sub_lengths)
+        else:
+            temps = torch.tensor([params[b].temperature for b in rows], dtype=torch.float32)
+            top_ks = torch.tensor([params[b].top_k for b in rows])
+            top_ps = torch.tensor([params[b].top_p for b in rows], dtype=torch.float32)
+            per_pos = lambda t: t.repeat_interleave(width).to(device, non_blocking=True)  # noqa: E731
+            probs = ds.warp_probs(sub_logits.reshape(-1, sub_logits.shape[-1]), per_pos(temps), per_pos(top_ks),
+                                  per_pos(top_ps), filter_top_k=bool((top_ks > 0).any()),
+                                  filter_top_p=bool((top_ps < 1).any())).view(sub_logits.shape)
+            q = None
+            if key[1] is not None:
+                q = SparseDist.stack([_pad_q(blocks[b].q, width - 1, device) for b in rows], dim=0)
+            u = torch.zeros(len(rows), width, device=device)
+            for r, b in enumerate(rows):
+                u[r, : ks[b] + 1] = _uniforms(1, ks[b] + 1, generators[b], device)[0]
+            outcome = ds.rejection_sample_device(probs, DraftBlock(sub_tokens, sub_lengths, q), u)
+        accepted[index], next_tokens[index], is_bonus[index] = outcome.accepted, outcome.next_tokens, outcome.is_bonus
+    host = torch.stack([accepted, next_tokens, is_bonus.long()]).cpu().tolist()  # the batch's one copy
+    results = [(host[0][b], host[1][b], bool(host[2][b])) for b in range(batch)]
+    for lm, start, (acc, _, _) in zip(lms, starts, results):
+        lm.rollback(start + 1 + acc)
+    states = None
+    if hidden is not None:  # [L, B, W, D] -> [B, L, D] at each row's accepted position
+        states = hidden[:, torch.arange(batch, device=device), accepted].transpose(0, 1)
+    return results, states
+
+
+def _pad_q(q: SparseDist, width: int, device: torch.device) -> SparseDist:
+    """A batch-1 block's q [1, k, S] as [width, S] on `device` (padding rows: probability 0)."""
+    k = q.ids.shape[1]
+    ids = torch.zeros(width, q.ids.shape[-1], dtype=torch.long)
+    probs = torch.zeros(width, q.ids.shape[-1], dtype=torch.float32)
+    floor = torch.zeros(width, dtype=torch.float32)
+    ids[:k], probs[:k] = q.ids[0].cpu(), q.probs[0].float().cpu()
+    if q.floor is not None:
+        floor[:k] = q.floor[0].float().cpu()
+    return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: t.to(device, non_blocking=True))

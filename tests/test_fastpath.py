@@ -82,3 +82,35 @@ def test_first_token_has_the_verifier_distribution(tiny_pair, device_sampling):
     obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
     exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
     assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("backend", ["fast", "graphed"])
+def test_verify_blocks_batched_equals_rows(loaded_pair, device_sampling, backend):
+    """Greedy and sampled sessions of ragged k in one batch: greedy rows give the single-row result;
+    every row rolls back to its own accepted length; hidden states come at the accepted position."""
+    verifier, drafter, tokenizer = loaded_pair
+    greedy = DecodeConfig()
+    sampled = DecodeConfig(sampling=SamplingParams(temperature=0.8, top_k=20), draft_top_k=16)
+    prompts = [tokenizer(t)["input_ids"] for t in ("def main():", "class Queue:", "import os\n")]
+    configs, ks = [greedy, sampled, greedy], [4, 3, 2]
+    lms, refs, blocks = [], [], []
+    for ids, config, k in zip(prompts, configs, ks):
+        d = cached_lm(drafter, "fast")
+        g, _ = make_generators(1)
+        blocks.append(fastpath.draft_block(d, ids, k, config, g))
+        for group in (lms, refs):
+            lm = cached_lm(verifier, backend)
+            lm.extend(ids[:-1])
+            group.append(lm)
+    gens = [make_generators(2)[1] for _ in prompts]
+    results, hidden = fastpath.verify_blocks(lms, [ids[-1] for ids in prompts], blocks,
+                                             [c.sampling for c in configs], gens, hidden_layers=[0, 2])
+    assert hidden.shape == (3, 2, verifier.config.hidden_size)
+    for b, (ids, config) in enumerate(zip(prompts, configs)):
+        acc, nxt, bonus = results[b]
+        assert lms[b].length == len(ids) + acc and 0 <= acc <= ks[b] and bonus == (acc == ks[b])
+        outcome, want_hidden = fastpath.verify_block(refs[b], ids[-1], blocks[b], config, make_generators(2)[1],
+                                                     hidden_layers=[0, 2])
+        torch.testing.assert_close(hidden[b], want_hidden, atol=1e-4, rtol=0)
+        if config.greedy:
+            assert (acc, nxt) == (int(outcome.accepted[0]), int(outcome.next_tokens[0]))
