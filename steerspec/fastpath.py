@@ -224,3 +224,114 @@ def _pad_q(q: SparseDist, width: int, device: torch.device) -> SparseDist:
     if q.floor is not None:
         floor[:k] = q.floor[0].float().cpu()
     return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: t.to(device, non_blocking=True))
+
+
+def _first_logits(rows: Sequence, active: List[int]) -> Tensor:
+    """Step-0 logits [A, V]: given ones, one-token feeds in one batched pass, longer feeds alone."""
+    from steerspec.models.batched import batched_extend
+
+    logits: List[Optional[Tensor]] = [None] * len(active)
+    single: List[int] = []
+    for a, i in enumerate(active):
+        row = rows[i]
+        if row.first_logits is not None:
+            logits[a] = row.first_logits
+            continue
+        feed = list(row.committed[row.lm.length:])
+        if len(feed) == 1:
+            single.append(a)
+        else:
+            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
+    if single:
+        device = rows[active[single[0]]].lm.device
+        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long).to(device)
+        out = batched_extend([rows[active[a]].lm for a in single], feed)
+        for r, a in enumerate(single):
+            logits[a] = out[r : r + 1]
+    return torch.cat(logits)  # type: ignore[arg-type]
+
+
+def applies_rows(rows: Sequence) -> bool:
+    """True when every row of a batched draft can take the device path."""
+    return bool(rows) and all(applies(row.lm, row.policy) for row in rows)
+
+
+@torch.inference_mode()
+def draft_blocks(rows: Sequence) -> List[DraftBlock]:
+    """`drafting.draft_blocks` (rows: lm, committed, k, config, generator, policy, first_logits)
+    without stopping policies: one batched step per position (graphed when the caches share a
+    pool), sampling on the device from each row's generator, one host copy for all blocks."""
+    from steerspec.models.batched import batched_extend
+
+    device = rows[0].lm.device
+    ks = [max(int(row.k), 0) for row in rows]
+    u = [None if row.config.greedy or k == 0 else _uniforms(k, 2, row.generator, device)
+         for row, k in zip(rows, ks)]
+    tokens: List[List[Tensor]] = [[] for _ in rows]
+    dists: List[List[SparseDist]] = [[] for _ in rows]
+    active = [i for i, k in enumerate(ks) if k > 0]
+    logits = _first_logits(rows, active) if active else None
+    step = 0
+    while active:
+        chosen = torch.empty(len(active), dtype=torch.long, device=device)
+        groups: dict = {}
+        for a, i in enumerate(active):
+            config = rows[i].config
+            p = config.sampling
+            key = None if config.greedy else (p.temperature, p.top_k, p.top_p, config.draft_top_k, config.draft_tail)
+            groups.setdefault(key, []).append(a)
+        for key, members in groups.items():
+            index = torch.tensor(members).to(device, non_blocking=True) if len(members) < len(active) else None
+            sub = logits if index is None else logits[index]
+            if key is None:
+                tok = sub.argmax(-1)
+            else:
+                temperature, top_k, top_p, draft_top_k, tail = key
+                uu = torch.stack([u[active[a]][step] for a in members])  # type: ignore[index]
+                tok, dist = ds.draft_step(sub, False, temperature, top_k, top_p, draft_top_k, tail, uu)
+                for r, a in enumerate(members):
+                    dists[active[a]].append(dist.map(lambda t, r=r: t[r : r + 1]))
+            if index is None:
+                chosen = tok
+            else:
+                chosen[index] = tok
+        for a, i in enumerate(active):
+            tokens[i].append(chosen[a : a + 1])
+        keep = [a for a, i in enumerate(active) if len(tokens[i]) < ks[i]]
+        if not keep:
+            break
+        feed = chosen if len(keep) == len(active) else chosen[torch.tensor(keep).to(device, non_blocking=True)]
+        active = [active[a] for a in keep]
+        logits = batched_extend([rows[i].lm for i in active], feed)
+        step += 1
+    return _to_host(rows, ks, tokens, dists)
+
+
+def _to_host(rows: Sequence, ks: List[int], tokens: List[List[Tensor]], dists: List[List[SparseDist]]) -> List[DraftBlock]:
+    """Every row's tokens and q in one packed device→host copy, as batch-1 DraftBlocks."""
+    parts: List[Tensor] = []
+    shapes: List[Tuple[Tuple[int, ...], torch.dtype]] = []
+    for k, toks, ds_ in zip(ks, tokens, dists):
+        if k == 0:
+            continue
+        parts.append(torch.cat(toks))
+        shapes.append(((1, k), torch.long))
+        if ds_:
+            q = SparseDist.stack(ds_, dim=1)
+            support = q.ids.shape[-1]
+            parts += [q.ids, q.probs, q.floor]
+            shapes += [((1, k, support), torch.long), ((1, k, support), torch.float32), ((1, k), torch.float32)]
+    host = unpack(pack(parts).cpu(), shapes) if parts else []
+    blocks, at = [], 0
+    for row, k, ds_ in zip(rows, ks, dists):
+        if k == 0:
+            blocks.append(DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0])))
+            continue
+        tok = host[at]
+        at += 1
+        q = None
+        if ds_:
+            q = SparseDist(ids=host[at], probs=host[at + 1], floor=host[at + 2], vocab=ds_[0].vocab)
+            at += 3
+        blocks.append(DraftBlock(tokens=tok, lengths=torch.tensor([k]), q=q))
+    return blocks

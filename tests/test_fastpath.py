@@ -114,3 +114,31 @@ def test_verify_blocks_batched_equals_rows(loaded_pair, device_sampling, backend
         torch.testing.assert_close(hidden[b], want_hidden, atol=1e-4, rtol=0)
         if config.greedy:
             assert (acc, nxt) == (int(outcome.accepted[0]), int(outcome.next_tokens[0]))
+
+
+@pytest.mark.parametrize("backend", ["fast", "graphed"])
+def test_draft_blocks_batched(loaded_pair, monkeypatch, backend):
+    """Batched device drafting: greedy rows are token-for-token the host path's; sampled rows
+    carry their q and draw from their own generator (a row's block does not depend on the batch)."""
+    from steerspec.drafting import DraftRow, draft_blocks
+
+    _, drafter, tokenizer = loaded_pair
+    greedy = DecodeConfig()
+    sampled = DecodeConfig(sampling=SamplingParams(temperature=1.0), draft_top_k=16)
+    prompts = [tokenizer(t)["input_ids"] for t in ("def main():", "class Queue:", "import os\n", "x = 1")]
+    configs, ks = [greedy, sampled, greedy, sampled], [4, 3, 0, 5]
+
+    def run(mode, which):
+        monkeypatch.setenv("STEERSPEC_DEVICE_SAMPLING", mode)
+        rows = [DraftRow(lm=cached_lm(drafter, backend), committed=prompts[i], k=ks[i], config=configs[i],
+                         generator=make_generators(10 + i)[0]) for i in which]
+        return draft_blocks(rows)
+
+    host, device, alone = run("0", range(4)), run("1", range(4)), run("1", [3])
+    for b in (0, 2):
+        assert torch.equal(host[b].tokens, device[b].tokens) and device[b].q is None
+    assert device[2].tokens.shape == (1, 0)
+    for b in (1, 3):
+        assert device[b].tokens.shape == (1, ks[b]) and device[b].q.ids.shape == (1, ks[b], 16)
+        assert torch.all(device[b].q.prob_of(device[b].tokens) > 0)
+    assert torch.equal(alone[0].tokens, device[3].tokens)
