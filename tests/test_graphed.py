@@ -153,3 +153,41 @@ def test_cuda_greedy_matches_verifier_alone(model_pair, eval_prompts, dtype):
         ids = tokenizer(prompt)["input_ids"][-64:]
         want = autoregressive_generate(v, ids, config).token_ids
         assert speculative_generate(v, d, ids, config, policy=FixedK(8)).token_ids == want
+
+
+def test_sd2_hooks_steer_the_static_path():
+    """SD² steering hooks on the model: the static path adds the same per-layer up-bias (a static
+    input) as FastCachedLM; removing the hooks is seen (the hook scan is cached)."""
+    from steerspec.models import resolve_model_dir
+    from steerspec.steering import attach_steering, load_steering
+
+    directory = resolve_model_dir("sd2")
+    model = load_model(directory)
+    weights = load_steering(directory)
+    hooks = attach_steering(model, weights.drafter)
+    torch.manual_seed(0)
+    g = torch.randn(1, weights.config.verifier_hidden_size)
+    prompt = torch.randint(1, model.config.vocab_size, (12,)).tolist()
+    graphed, fast = GraphedLM(model, StaticKVPool(model, 1, 64)), FastCachedLM(model)
+    outputs = []
+    try:
+        for lm in (fast, graphed):
+            with torch.inference_mode():
+                hooks.set_vector(g, steer_prefix=False)  # first block: eager path (last position only)
+                first = lm.extend(prompt, logits_to_keep=1).logits.clone()
+                one = lm.extend([5]).logits.clone()  # steered one-token step
+                hooks.set_vector(0.5 * g, steer_prefix=True)
+                later = lm.extend([7, 9, 11]).logits.clone()  # steered k+1 extend
+                hooks.clear()
+                plain = lm.extend([13]).logits.clone()
+            outputs.append((first, one, later, plain))
+    finally:
+        hooks.remove()
+    for want, got in zip(*outputs):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert graphed.steering_bias(1) == (True, None)  # the removed hooks are gone from the scan
+    with_hook = model.get_decoder().layers[0].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert graphed.steering_bias(1)[0] is False  # a foreign hook forces the eager path
+    finally:
+        with_hook.remove()

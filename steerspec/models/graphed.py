@@ -12,7 +12,7 @@ runs eagerly (that is how the tests check it). SD²'s per-layer up-bias is a sta
 FastCachedLM's to float rounding (~1e-6 in fp32), not bit for bit; greedy tokens are the same
 (tests/test_graphed.py). `cached_lm(model, "graphed")` builds one; `auto` picks it on CUDA.
 Environment: STEERSPEC_GRAPH_SLOTS (sequences per pool, default 16), STEERSPEC_GRAPH_CAPACITY
-(tokens per sequence, default 4096, at most the model's context), STEERSPEC_CUDA_GRAPHS=0
+(tokens per sequence, default 2048, at most the model's context: attention reads the whole capacity), STEERSPEC_CUDA_GRAPHS=0
 (static cache without graph capture).
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from steerspec.models.kv import FastCachedLM, StepOutput, TokenIds, _has_global_hooks, _hook_state, _rms_norm, _rotate_half
+from steerspec.models.kv import FastCachedLM, StepOutput, TokenIds, _has_global_hooks, _rms_norm, _rotate_half
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65)  # k + 1 for k = 0, 1, 2, 4, 8, 16, 32, 64
@@ -65,7 +65,6 @@ class StaticKVPool:
         self._lock = threading.Lock()
         self.use_graphs = self.device.type == "cuda" and os.environ.get("STEERSPEC_CUDA_GRAPHS", "1") != "0"
         self._graphs: Dict[Tuple[int, int, Tuple[int, ...]], "_Graph"] = {}
-        self._mempool = None
         self.bias_cache: Optional[tuple] = None
 
     def acquire(self) -> Optional[int]:
@@ -77,54 +76,52 @@ class StaticKVPool:
             if slot not in self._free:
                 self._free.append(slot)
 
-    def run(self, tokens: Tensor, slots: Tensor, starts: Tensor, bias: Optional[Tensor],
-            hidden_layers: Tuple[int, ...]) -> Tuple[Tensor, Optional[Tensor]]:
-        """static_forward over bucket-shaped inputs: replay its CUDA graph (captured on first
-        use) or run it eagerly. Returns (logits [B, n, V], hidden [L', B, n, D] or None)."""
-        if not self.use_graphs:
-            return static_forward(self, tokens, slots, starts, bias, hidden_layers)
-        key = (tokens.shape[0], tokens.shape[1], hidden_layers)
+    def graph(self, batch: int, width: int, hidden_layers: Tuple[int, ...]) -> "_Graph":
+        """The CUDA graph of static_forward for this bucket, captured on first use."""
+        key = (batch, width, hidden_layers)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph(self, *key)
-        return graph.replay(tokens, slots, starts, bias)
+            graph = self._graphs[key] = _Graph(self, batch, width, hidden_layers)
+        return graph
 
 
 class _Graph:
-    """One captured static_forward: static input buffers, the graph, its output tensors."""
+    """One captured static_forward: its static inputs (tokens [B, W]; slots and starts as one
+    [2, B] tensor; bias [L, B, F]), the graph, and its outputs (copied out on each replay, so a
+    caller may hold them across the next replay)."""
 
     def __init__(self, pool: StaticKVPool, batch: int, width: int, hidden_layers: Tuple[int, ...]) -> None:
         device = pool.device
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-        self.slots = torch.full((batch,), pool.scratch, dtype=torch.long, device=device)
-        self.starts = torch.zeros(batch, dtype=torch.long, device=device)
+        self.meta = torch.zeros(2, batch, dtype=torch.long, device=device)
+        self.meta[0] = pool.scratch
         self.bias = torch.zeros(pool.template.num_layers, batch, pool.intermediate, dtype=pool.dtype, device=device)
-        self.bias_zero = True
-        args = (pool, self.tokens, self.slots, self.starts, self.bias, hidden_layers)
+        self.bias_src: Optional[Tensor] = None  # the tensor last copied into self.bias (None: zeros)
+        args = (pool, self.tokens, self.meta[0], self.meta[1], self.bias, hidden_layers)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm-up on a side stream (writes only the scratch slot)
                 static_forward(*args)
         torch.cuda.current_stream(device).wait_stream(stream)
-        if pool._mempool is None:
-            pool._mempool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool._mempool):
+        # thread_local: other threads (gRPC handlers moving tensors) may use CUDA during a capture
+        with torch.inference_mode(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = static_forward(*args)
 
-    def replay(self, tokens: Tensor, slots: Tensor, starts: Tensor, bias: Optional[Tensor]):
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.slots.copy_(slots, non_blocking=True)
-        self.starts.copy_(starts, non_blocking=True)
-        if bias is not None:
-            self.bias.copy_(bias, non_blocking=True)
-            self.bias_zero = False
-        elif not self.bias_zero:
-            self.bias.zero_()
-            self.bias_zero = True
+    def replay(self, feeds: Tensor, meta: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        rows, width = feeds.shape
+        self.tokens[:rows, :width].copy_(feeds, non_blocking=True)  # padding keeps earlier (valid) ids
+        self.meta.copy_(meta, non_blocking=True)
+        if bias is not self.bias_src:
+            if bias is None:
+                self.bias.zero_()
+            else:
+                self.bias.copy_(bias, non_blocking=True)
+            self.bias_src = bias
         self.graph.replay()
-        return self.out
+        logits, hidden = self.out
+        return logits.clone(), None if hidden is None else hidden.clone()
 
 
 @torch.inference_mode()
@@ -183,7 +180,7 @@ _POOLS_LOCK = threading.Lock()
 def shared_pool(model) -> StaticKVPool:
     """The model's pool with a free slot (a new pool when all are taken)."""
     slots = int(os.environ.get("STEERSPEC_GRAPH_SLOTS", "16"))
-    capacity = int(os.environ.get("STEERSPEC_GRAPH_CAPACITY", "4096"))
+    capacity = int(os.environ.get("STEERSPEC_GRAPH_CAPACITY", "2048"))
     with _POOLS_LOCK:
         pools = _POOLS.setdefault(model, [])
         for pool in pools:
@@ -206,6 +203,7 @@ class GraphedLM(FastCachedLM):
             raise RuntimeError(f"static KV pool is full ({self.pool.slots} sequences): close a sequence or "
                                f"raise STEERSPEC_GRAPH_SLOTS")
         self.slot = slot
+        self._scan: Optional[tuple] = None
         self._finalizer = weakref.finalize(self, self.pool.release, slot)
         super().__init__(model, capacity=self.pool.capacity)
         self._slot_tensor = torch.tensor([slot], dtype=torch.long, device=self.device)
@@ -229,22 +227,50 @@ class GraphedLM(FastCachedLM):
         self._capacity = pool.capacity
         self._cos, self._sin = pool.cos, pool.sin
 
+    def _hook_scan(self) -> Tuple[bool, List[object]]:
+        """(a foreign hook is on the model, SD² steering owner per layer or None), rescanned only when
+        a hook was registered since (RemovableHandle.next_id) or a hook dict seen non-empty changed
+        size: a full scan costs ~4 µs per layer, too much for every step. (A `forward` patched onto a
+        module after the first call is not seen: call `refresh()` after patching.)"""
+        from torch.utils.hooks import RemovableHandle
+
+        cached = self._scan
+        if cached is not None and cached[0] == RemovableHandle.next_id and all(len(d) == k for d, k in cached[3]):
+            return cached[1], cached[2]
+        foreign, owners, seen = False, [], []
+        for plan in self._plans:
+            owner = None
+            for m in plan[0]:
+                for hooks in (m._forward_pre_hooks, m._forward_hooks):
+                    if hooks:
+                        seen.append((hooks, len(hooks)))
+                if m._forward_pre_hooks or "forward" in m.__dict__:
+                    foreign = True
+                for hook in m._forward_hooks.values():
+                    tag = getattr(hook, "steerspec_steering", None)
+                    if tag is None or (owner is not None and tag is not owner):
+                        foreign = True
+                    owner = tag
+            owners.append(owner)
+        self._scan = (RemovableHandle.next_id, foreign, owners, seen)
+        return foreign, owners
+
     def steering_bias(self, n: int) -> Tuple[bool, Optional[List[Optional[Tensor]]]]:
         """(static path allowed, per-layer up-bias [F] rows or None) for a feed of n tokens.
 
-        Foreign hooks, a per-position steering bias, or a last-position-only bias over several
-        tokens need the eager path.
+        Foreign hooks, a per-position or several-row steering bias, or a last-position-only bias
+        over several tokens need the eager path.
         """
         if _has_global_hooks():
             return False, None
+        foreign, owners = self._hook_scan()
+        if foreign:
+            return False, None
         biases = None if self.up_bias is None else list(self.up_bias)
-        for index, plan in enumerate(self._plans):
-            hooked, steering = _hook_state(plan[0])
-            if hooked:
-                return False, None
-            if steering is None:
+        for index, steering in enumerate(owners):
+            if steering is None or steering._bias is None:
                 continue
-            if steering._bias is not None and (steering._bias.shape[0] != 1 or (steering._last_only and n > 1)):
+            if steering._bias.dim() != 3 or steering._bias.shape[0] != 1 or (steering._last_only and n > 1):
                 return False, None
             add, _ = steering.fast_up_bias(index)
             if add is not None:
@@ -295,6 +321,7 @@ def _stack_biases(lms: Sequence[GraphedLM], rows: Sequence[Optional[List[Optiona
     return out
 
 
+@torch.inference_mode()
 def graphed_extend(lms: Sequence[GraphedLM], feeds: Tensor, counts: Sequence[int], hidden_layers: Tuple[int, ...] = (),
                    biases: Optional[Sequence[Optional[List[Optional[Tensor]]]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Feed feeds[b, :counts[b]] to lms[b] (one pool) in one static pass padded to the (batch, token)
@@ -311,14 +338,16 @@ def graphed_extend(lms: Sequence[GraphedLM], feeds: Tensor, counts: Sequence[int
     if width is None or batch is None:
         raise ValueError(f"no bucket for {rows} sequences of {feeds.shape[1]} tokens")
     device = pool.device
-    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-    tokens[:rows, : feeds.shape[1]] = feeds.to(device)
-    starts = [lm.length for lm in lms] + [0] * (batch - rows)
-    slots = [lm.slot for lm in lms] + [pool.scratch] * (batch - rows)
-    slots_t = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
-    starts_t = torch.tensor(starts, dtype=torch.long).to(device, non_blocking=True)
+    meta = torch.tensor([[lm.slot for lm in lms] + [pool.scratch] * (batch - rows),
+                         [lm.length for lm in lms] + [0] * (batch - rows)], dtype=torch.long)
     bias = _stack_biases(lms, biases or [lm.up_bias for lm in lms], batch)
-    logits, hidden = pool.run(tokens, slots_t, starts_t, bias, hidden_layers)
+    if pool.use_graphs:
+        logits, hidden = pool.graph(batch, width, hidden_layers).replay(feeds.to(device), meta, bias)
+    else:
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        tokens[:rows, : feeds.shape[1]] = feeds.to(device)
+        meta = meta.to(device)
+        logits, hidden = static_forward(pool, tokens, meta[0], meta[1], bias, hidden_layers)
     for lm, count in zip(lms, counts):
         lm.length += int(count)
     return logits[:rows], None if hidden is None else hidden[:, :rows]
@@ -338,11 +367,7 @@ def can_graph(lms: Sequence, width: int) -> bool:
 
 def _active_steering(lm: GraphedLM) -> bool:
     """Hook steering with a bias set (its bias is the model's, not one row's: batch only via up_bias)."""
-    for plan in lm._plans:
-        _, steering = _hook_state(plan[0])
-        if steering is not None and steering._bias is not None:
-            return True
-    return False
+    return any(owner is not None and owner._bias is not None for owner in lm._hook_scan()[1])
 
 
 def graphed_step(lms: Sequence[GraphedLM], tokens: Tensor) -> Tensor:
