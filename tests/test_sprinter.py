@@ -206,3 +206,33 @@ def test_sprinter_rejects_bad_parameters(pair):
         sprinter_generate(verifier, drafter, prompts[0], config, head, threshold=1.0)
     with pytest.raises(ValueError, match="max_run"):
         sprinter_generate(verifier, drafter, prompts[0], config, head, max_run=0)
+
+
+def test_first_token_distribution_limits():
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(3, 40, generator=g).softmax(-1)
+    q = torch.rand(3, 40, generator=g).pow(4).softmax(-1)
+    assert torch.allclose(theory.first_token_distribution(p, q, torch.zeros_like(q)), p, atol=1e-6)
+    assert torch.allclose(theory.first_token_distribution(p, q, torch.ones_like(q)), q, atol=1e-6)
+    # keeping exactly the acceptable tokens (a perfect head, η_FP = 0) is lossless, as Theorem 1 says
+    perfect = F.acceptable(q, p).float()
+    assert torch.allclose(theory.first_token_distribution(p, q, perfect), p, atol=1e-6)
+    # keeping every token (η_FP = 1) deviates by d_TV(p, q)
+    mixed = theory.first_token_distribution(p, q, torch.ones_like(q))
+    assert torch.allclose(theory.tv_distance(p, mixed), theory.tv_distance(p, q), atol=1e-6)
+
+
+def test_first_token_distribution_matches_sampling():
+    """Simulate the first-token rule directly and compare with the closed form."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(12, generator=g).softmax(-1)
+    q = torch.rand(12, generator=g).pow(3).softmax(-1)
+    keep = (torch.rand(12, generator=g) < 0.5).float()
+    n = 40000
+    x = torch.multinomial(q, n, replacement=True, generator=g)
+    u = torch.rand(n, generator=g)
+    residual = (p - q).clamp(min=0)
+    out = torch.where((keep[x] > 0) | (u < (p[x] / q[x]).clamp(max=1)), x,
+                      torch.multinomial(residual / residual.sum(), n, replacement=True, generator=g))
+    empirical = torch.bincount(out, minlength=12).float() / n
+    assert float(theory.tv_distance(empirical, theory.first_token_distribution(p, q, keep))) < 0.02

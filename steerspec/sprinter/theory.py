@@ -79,3 +79,19 @@ def mean_expected_run_length(eta_tp: float, eta_fp: float, rs: List[int], max_ru
     if not rs:
         return 0.0
     return sum(expected_run_length(eta_tp, eta_fp, r, max_run) for r in rs) / len(rs)
+
+
+def first_token_distribution(p: Tensor, q: Tensor, keep: Tensor) -> Tensor:
+    """The exact distribution of SPRINTER's next committed token at one prefix (batched over rows).
+
+    p, q [..., V]: the verifier's and the drafter's distributions; keep [..., V] in [0, 1]: whether
+    (or how likely) the head keeps each candidate x. A kept draft is committed as is; any other is
+    checked by min(1, p/q) and replaced from norm(max(0, p − q)) on rejection. keep ≡ 0 gives p.
+    """
+    ratio = torch.where(q > 0, (p / q.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(q))
+    checked = q * (1.0 - keep)
+    rejected = (checked * (1.0 - ratio)).sum(-1, keepdim=True)
+    residual = (p - q).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+    return q * keep + checked * ratio + rejected * residual
