@@ -236,3 +236,44 @@ def test_first_token_distribution_matches_sampling():
                       torch.multinomial(residual / residual.sum(), n, replacement=True, generator=g))
     empirical = torch.bincount(out, minlength=12).float() / n
     assert float(theory.tv_distance(empirical, theory.first_token_distribution(p, q, keep))) < 0.02
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    from steerspec.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("sprinter:threshold=1", "threshold must be in (0, 1)"),
+    ("sprinter:max_run=0", "max_run must be >= 1"),
+    ("approx", "unknown verification"),
+])
+def test_cli_bad_verification_is_one_line_exit_2(capsys, spec, words):
+    code, _, err = _cli(capsys, "run", "def f():", "--transport", "inproc", "--verification", spec)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_sprinter_without_a_head_is_one_line_exit_2(capsys, tmp_path):
+    code, _, err = _cli(capsys, "run", "def f():", "--transport", "inproc", "--verification", "sprinter",
+                        "--sprinter-head", str(tmp_path))
+    assert code == 2 and "no SPRINTER head" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not (__import__("conftest").bundled_pair_present()), reason="bundled pair not built")
+def test_cli_json_marks_sprinter_lossy_and_exact_not(capsys):
+    args = ("run", "def parse(line):", "--transport", "inproc", "--max-new-tokens", "12", "--temperature", "1",
+            "--seed", "3", "--json")
+    code, out, _ = _cli(capsys, *args, "--verification", "sprinter:threshold=0.4,max_run=4")
+    lossy = json.loads(out)
+    assert code == 0 and lossy["lossy"] is True and lossy["verification"] == "sprinter" and lossy["max_run"] == 4
+    assert lossy["threshold"] == 0.4 and "eta_fp" in lossy["sprinter"]
+    code, out, _ = _cli(capsys, *args)
+    exact = json.loads(out)
+    assert code == 0 and exact["lossy"] is False and exact["verification"] == "exact"
+    code, out, _ = _cli(capsys, *args[:-1], "--verification", "sprinter")
+    assert code == 0 and "LOSSY (sprinter" in out
