@@ -108,7 +108,7 @@ def draft_run(drafter: CachedLM, committed: Sequence[int], limit: int, config: D
         if params.greedy:
             token = logits.argmax(-1)
             probs = logits.float().softmax(-1)
-            q_x = torch.ones(1, device=logits.device)
+            q_x = probs.gather(-1, token.view(1, 1)).view(1)  # the head's feature: q at T = 1
         else:
             probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
             dist = draft_distribution(probs, config.draft_top_k, config.draft_tail)
