@@ -253,7 +253,7 @@ def _plot(rows: Dict[str, Dict], rtts: List[float], path: Path) -> None:
     ax.axhline(1.0, c="grey", ls=":")
     ax.axvline(1.0, c="grey", ls=":")
     ax.scatter([1.0], [1.0], c="black", marker="s", label="exact (lossless)")
-    ax.set_xlabel("verifier perplexity ratio vs exact (lower is better)")
+    ax.set_xlabel("verifier perplexity ratio vs exact (1 = exact; away from 1 = deviation)")
     ax.set_ylabel("tokens/s speedup vs exact")
     ax.set_title("SPRINTER speed/quality trade-off over thresholds", fontsize=9)
     ax.legend(fontsize=7)
