@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default=None,
                         help="address for /metrics (default: --host; 0.0.0.0 lets a Prometheus container scrape it)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="accept lossy verification requests (sprinter); without it they get FAILED_PRECONDITION")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
 
 
@@ -97,7 +99,7 @@ async def _main(args) -> int:
     coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
-                              max_length=max_length)
+                              max_length=max_length, allow_lossy=args.allow_lossy)
     running = await serve(coordinator, host=args.host, port=args.port)
     print(f"steerspec coordinator serving on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)

@@ -79,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write OpenTelemetry spans of every service as JSONL here (grpc transport; "
                              "OTEL_EXPORTER_OTLP_ENDPOINT, when set, exports over OTLP instead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_verification_arguments(parser)
+
+
+def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
+    """--verification and --sprinter-head (shared with benchmarks)."""
+    parser.add_argument("--verification", default="exact", metavar="SPEC",
+                        help="exact (default, lossless) or sprinter[:threshold=T,max_run=N]: LOSSY, tokens the "
+                             "drafter-side classifier keeps are committed without the verifier")
+    parser.add_argument("--sprinter-head", default=None, metavar="DIR",
+                        help="SPRINTER classifier head directory (default: DRAFTER/sprinter)")
 
 
 def register(subparsers) -> None:
@@ -176,7 +186,14 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     if not args.prompt:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
+    verification = parse_verification_arg(args)
     speculative = args.mode == "speculative"
+    if verification.lossy:
+        link = link_from_args(args)
+        if link.enabled or link.jitter_ms:
+            raise UsageError("--rtt-ms, --jitter-ms and --bandwidth-mbps emulate the link between the services; "
+                             "--verification sprinter runs in-process")
+        return _generate_sprinter(args, params, verification)
     runner = _grpc_runner() if args.transport == "grpc" else None
     if args.transport == "grpc" and runner is None:
         sys.stderr.write("steerspec: note: the grpc transport (coordinator.launch) is not installed; "
@@ -215,6 +232,42 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
+def parse_verification_arg(args: argparse.Namespace):
+    """The --verification spec, checked before anything loads (one-line UsageError)."""
+    from steerspec.sprinter.spec import VerificationError, parse_verification
+
+    try:
+        verification = parse_verification(getattr(args, "verification", "exact"))
+    except VerificationError as exc:
+        raise UsageError(f"--verification: {exc}") from None
+    if verification.lossy and args.mode != "speculative":
+        raise UsageError("--verification sprinter needs --mode speculative (it verifies a drafter's tokens)")
+    return verification
+
+
+def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verification):
+    """SPRINTER (lossy) in this process: the head must exist for the drafter before models load."""
+    from steerspec.models import resolve_model_dir
+    from steerspec.models.kv import cached_lm
+    from steerspec.sprinter.decoding import sprinter_generate
+    from steerspec.sprinter.head import resolve_head
+    from steerspec.steering.runtime import maybe_steering
+
+    if args.transport == "grpc":
+        sys.stderr.write("steerspec: note: --verification sprinter runs in-process (--transport inproc)\n")
+    loaded = resolve_head(resolve_model_dir(args.drafter), args.sprinter_head, device=args.device)
+    verifier, drafter, tokenizer = load_pair(args)
+    config = decode_config(args, params, verifier, drafter, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
+    drafter = cached_lm(drafter)
+    steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)
+    threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
+    result = sprinter_generate(verifier, drafter, prompt_ids, config, loaded.head, threshold=threshold,
+                               max_run=verification.max_run, lam=loaded.lam, steering=steering,
+                               tokenizer=tokenizer)
+    return result, tokenizer
+
+
 def _torch_threads() -> int:
     import torch
 
@@ -230,11 +283,13 @@ def run(args: argparse.Namespace) -> int:
                         "seed": args.seed, "verifier": str(args.verifier),
                         "drafter": str(args.drafter) if args.mode == "speculative" else None,
                         "transport": args.transport, "threads": _torch_threads()})
-        if args.transport == "grpc":
+        if args.transport == "grpc" and not payload.get("lossy"):
             link = link_from_args(args)
             payload.update({"deployment": args.deployment,
                             "link": {"rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms,
                                      "bandwidth_mbps": link.bandwidth_mbps, "seed": link.seed}})
+        payload.setdefault("verification", "exact")
+        payload.setdefault("lossy", False)
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
         sys.stdout.write(result.text + "\n")
