@@ -79,7 +79,8 @@ def draft_block(drafter: CachedLM, committed: Sequence[int], k: int, config: "De
     if k <= 0:
         return DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0]))
     u = None if greedy else _uniforms(k, 2, generator, device)
-    feed: object = committed[drafter.length:]
+    # a pageable non-blocking copy: no wait for the stream (torch.tensor(..., device=) would)
+    feed: Tensor = torch.tensor(list(committed[drafter.length:]), dtype=torch.long).to(device, non_blocking=True)
     tokens: List[Tensor] = []
     dists: List[SparseDist] = []
     for i in range(k):
