@@ -7,6 +7,7 @@ COMMANDS = (
     ("synth", "steerspec.train.synth", "generate verifier answers at T=1 as a training set"),
     ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
     ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
+    ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
 )
 
 
