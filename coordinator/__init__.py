@@ -1,4 +1,4 @@
-"""The coordinator: session placement, the round-trip loop, the state store, the client SDK.
+"""The coordinator: session placement, the round-trip loop, the client SDK (the state store is `steerspec.store`).
 
 - `coordinator.client.Client` — the SDK (`steerspec.Client`);
 - `coordinator.server.Coordinator` / `CoordinatorService` — the public Generate API (grpc.aio);
@@ -6,7 +6,6 @@
 - `coordinator.results` — per-block costs (`BlockStats`) and `DistributedResult`;
 - `coordinator.streams` — shared channels, streams that report failed replicas;
 - `coordinator.placement.Placer` — least-loaded / round-robin replica choice;
-- `coordinator.store` — registry + checkpoints (`InProcessStore`, `RedisStore`);
 - `coordinator.local` — `LocalCluster` (in-process servers) and `run_distributed` (local Ray).
 """
 
@@ -22,8 +21,6 @@ _EXPORTS = {
     "SessionRequest": "coordinator.loop",
     "SessionError": "coordinator.streams",
     "DistributedResult": "coordinator.results",
-    "InProcessStore": "coordinator.store",
-    "RedisStore": "coordinator.store",
     "LocalCluster": "coordinator.local",
     "run_distributed": "coordinator.local",
 }

@@ -86,7 +86,7 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
 
 async def _main(args) -> int:
     from coordinator.server import Coordinator, serve
-    from coordinator.store import open_store
+    from steerspec.store import open_store
     from steerspec.grpc_common import serve_until_signal
     from steerspec.linkemu import LinkModel
 

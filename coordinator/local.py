@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 from coordinator.loop import SessionLoop, SessionRequest
 from coordinator.results import DistributedResult
 from coordinator.server import Coordinator, serve as serve_coordinator
-from coordinator.store import Store
+from steerspec.store import Store
 from steerspec.errors import UsageError
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams

@@ -198,7 +198,7 @@ class CoordinatorActor(_ServerActor):
             return self.running.target
         from coordinator.cli import load_tokenizer_and_eos
         from coordinator.server import Coordinator, serve
-        from coordinator.store import open_store
+        from steerspec.store import open_store
         from steerspec.linkemu import LinkModel
 
         host = _bind_host(self.host)

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from steerspec import fastpath
 from steerspec.engine import DecodeConfig
 from steerspec.models.batched import batched_extend
 from steerspec.models.kv import CachedLM
@@ -113,6 +114,8 @@ def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
 
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
+    if fastpath.applies_rows(rows):  # device sampling, one host copy for all blocks (CUDA)
+        return fastpath.draft_blocks(rows)
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0

@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from steerspec import fastpath
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
 from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep
@@ -118,6 +119,8 @@ def draft_block(
     policy: Optional[DraftLengthPolicy] = None,
 ) -> DraftBlock:
     """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy)."""
+    if fastpath.applies(drafter, policy):  # device sampling, one host copy per block (CUDA)
+        return fastpath.draft_block(drafter, committed, k, config, generator)
     params = config.sampling
     greedy = params.greedy
     stops_early = policy is not None and getattr(policy, "stops_early", False)
@@ -163,6 +166,8 @@ def verify_block(
     Returns the outcome and, when `hidden_layers` is given, the hidden states [L, D] at the
     position whose logits produced the new pending token (for the next steering vector).
     """
+    if fastpath.applies(verifier):  # acceptance on the device, one host copy per block (CUDA)
+        return fastpath.verify_block(verifier, pending, block, config, generator, hidden_layers)
     start = verifier.length
     device = verifier.device
     drafts = block.tokens[0].to(device)

@@ -22,7 +22,7 @@ import math
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
-from coordinator.store import Store, connect_redis, keep_registered
+from steerspec.store import Store, connect_redis, keep_registered
 from steerspec.errors import UsageError
 
 if TYPE_CHECKING:

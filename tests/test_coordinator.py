@@ -9,7 +9,7 @@ import pytest
 
 from coord_helpers import greedy_reference
 from coordinator.local import LocalCluster
-from coordinator.store import RedisStore
+from steerspec.store import RedisStore
 from steerspec.errors import UsageError
 from steerspec.linkemu import LinkModel
 from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

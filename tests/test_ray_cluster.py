@@ -53,7 +53,7 @@ def _registry(redis_url: str) -> dict:
     """{kind: {address: meta}} of the live entries in the Redis endpoint registry."""
     import asyncio
 
-    from coordinator.store import connect_redis
+    from steerspec.store import connect_redis
 
     async def read():
         store = await connect_redis(redis_url)

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the last N prompt tokens (default: 128; 0 = whole prompt)")
     parser.add_argument("--ks", default=DEFAULT_KS, help=f"draft lengths to run (default: {DEFAULT_KS})")
     parser.add_argument("--draft-top-k", type=int, default=64)
-    parser.add_argument("--backend", default="auto", choices=("auto", "fast", "hf"),
-                        help="KV-cache backend of our engine (default: auto = fast when supported)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "fast", "hf", "graphed"),
+                        help="KV-cache backend of our engine (default: auto = graphed on CUDA, else fast when supported)")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--out", default="bench-results/engine.json", help="JSON output path")
     add_model_arguments(parser)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from steerspec.models.graphed import can_graph, graphed_step
 from steerspec.models.kv import CachedLM, FastCachedLM, _has_global_hooks, _hook_state, _rms_norm, _rotate_half
 
 
@@ -64,6 +65,8 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         raise ValueError(f"need one token per sequence: {len(lms)} sequences, {tokens.numel()} tokens")
     if len(lms) == 1:
         return lms[0].extend(tokens, logits_to_keep=1).logits
+    if can_graph(lms, 1):  # a shared static pool: one graphed step for every row (CUDA graph on a GPU)
+        return graphed_step(lms, tokens)
     if not can_batch(lms):
         return torch.cat([lm.extend(tokens[i : i + 1], logits_to_keep=1).logits for i, lm in enumerate(lms)])
     first: FastCachedLM = lms[0]  # type: ignore[assignment]

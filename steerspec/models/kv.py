@@ -16,6 +16,8 @@ After any rollback the next-token logits equal a fresh full forward over the kep
 
 from __future__ import annotations
 
+import os
+
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -361,14 +363,23 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-BACKENDS = ("auto", "fast", "hf")
+BACKENDS = ("auto", "fast", "hf", "graphed")
 
 
 def cached_lm(model, backend: str = "auto") -> CachedLM:
-    """A KV-cached wrapper: `fast` (lean forward, static cache), `hf` (transformers forward,
-    DynamicCache) or `auto` (fast when the architecture qualifies)."""
+    """A KV-cached wrapper: `fast` (lean forward, growing cache), `graphed` (a slot of a shared
+    static cache, CUDA graphs on a GPU: steerspec/models/graphed.py), `hf` (transformers forward,
+    DynamicCache) or `auto` (graphed on CUDA, fast on a CPU, when the architecture qualifies;
+    STEERSPEC_GRAPHED=0 keeps auto at fast)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    if backend == "graphed" or (backend == "auto" and model.device.type == "cuda"
+                                and os.environ.get("STEERSPEC_GRAPHED", "1") != "0" and FastCachedLM.supports(model)):
+        if not FastCachedLM.supports(model):
+            raise ValueError(f"the graphed backend does not support {type(model).__name__}")
+        from steerspec.models.graphed import GraphedLM
+
+        return GraphedLM(model)
     if backend == "fast" or (backend == "auto" and FastCachedLM.supports(model)):
         if not FastCachedLM.supports(model):
             raise ValueError(f"the fast backend does not support {type(model).__name__}")

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU machine: the cuda tests, `bench step`, `bench engine` and `bench remote` in
+# fp32 and bf16, everything written under $OUT (logs, JSON, PNG). Each part fits one device call
+# (<= 600 s); every step has its own time limit, so a slow step leaves the others' results.
+#
+# Here, once (see ../shared/gpu/README.md):   bash ../shared/gpu/wheels.sh
+#                                             cp ../shared/gpu/prelude.sh .gpu-prelude.sh
+# Then one device call per part, carrying [".whl", ".gpu-prelude.sh"]:
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 1     # tests + bench step (fp32, bf16) + profile
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 2     # bench engine + bench remote (fp32, bf16)
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 3     # optional: fp16, hop breakdown, graphs off
+# $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
+set -uo pipefail
+PART=${1:?usage: gpu_check.sh 1|2|3}
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, append a summary line
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$OUT/summary.txt"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.log" >> "$OUT/summary.txt"
+  echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } \
+  > "$OUT/machine-$PART.txt" 2>&1
+
+case "$PART" in
+1)
+  step tests 170 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
+    tests/test_fastpath.py tests/test_bench_step.py
+  step step 260 $PY -m steerspec bench step --device cuda --dtypes float32,bfloat16 --k 8 --temperature 1 \
+    --iters 100 --warmup 10 --out "$OUT/step.json"
+  step profile 150 $PY -m steerspec bench step --device cuda --dtypes float32,bfloat16 --k 8 --temperature 1 \
+    --iters 5 --floor none --profile 5 --out "$OUT/profile.json"
+  ;;
+2)
+  for dtype in float32 bfloat16; do
+    step "engine-$dtype" 110 $PY -m steerspec bench engine --device cuda --dtype "$dtype" --prompts 16 \
+      --ks 2,8 --no-assisted --out "$OUT/engine-$dtype.json"
+  done
+  for dtype in float32 bfloat16; do
+    step "remote-$dtype" 180 $PY -m steerspec bench remote --device cuda --dtype "$dtype" --deployment local \
+      --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0,10,50 --prompts 4 --concurrency 1,8 \
+      --concurrency-rtt-ms 50 --out "$OUT/remote-$dtype.json" --plot "$OUT/remote-$dtype.png"
+  done
+  ;;
+3)
+  step step-fp16 200 $PY -m steerspec bench step --device cuda --dtypes float16 --k 8 --temperature 1 \
+    --iters 100 --warmup 10 --out "$OUT/step-fp16.json"
+  step step-nographs 120 env STEERSPEC_CUDA_GRAPHS=0 $PY -m steerspec bench step --device cuda --dtypes float32 \
+    --floor none --iters 50 --out "$OUT/step-nographs.json"
+  step hop 120 $PY -m steerspec bench hop --out "$OUT/hop.json"
+  step remote-rtt0-breakdown 150 $PY -m steerspec bench remote --device cuda --dtype float32 --deployment local \
+    --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0 --prompts 8 --concurrency 1 --out "$OUT/remote-rtt0.json"
+  ;;
+*)
+  echo "usage: gpu_check.sh 1|2|3" >&2
+  exit 2
+  ;;
+esac
+echo "done part $PART; results in $OUT" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,337 @@
+"""`draft_block` and `verify_block` with sampling on the device and one device→host copy per block.
+
+The host path samples with `torch.multinomial` and branches on tensor values, so a GPU block
+waits on the device several times per token. Here each draft step stays on the device (graphed
+one-token step on CUDA, `device_sampling.draft_step`), and the block's tokens and sparse q come
+to the host in one packed copy; verification scores [pending, d_1..d_k] (graphed per k+1 bucket),
+accepts/rejects on the device and copies (accepted, next token, bonus) once. Greedy blocks give
+exactly the host path's tokens; sampled ones the same distribution from other draws.
+
+STEERSPEC_DEVICE_SAMPLING: `auto` (default: on for CUDA models), `1` (also on a CPU, as the tests
+run it) or `0` (never). Policies that stop inside a block need per-token host values and keep the
+host path (`applies`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from steerspec import device_sampling as ds
+from steerspec.models.kv import CachedLM
+from steerspec.sampling import SparseDist
+from steerspec.speculative import DraftBlock, VerifyOutcome
+
+if TYPE_CHECKING:
+    from steerspec.engine import DecodeConfig
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether device-side sampling serves models on `device` (STEERSPEC_DEVICE_SAMPLING)."""
+    mode = os.environ.get("STEERSPEC_DEVICE_SAMPLING", "auto").lower()
+    if mode in ("1", "on", "true"):
+        return True
+    if mode in ("0", "off", "false"):
+        return False
+    return device.type == "cuda"
+
+
+def applies(lm: CachedLM, policy=None) -> bool:
+    """True when this block can take the device path (enabled, and no per-token stopping policy)."""
+    return enabled(lm.device) and not (policy is not None and getattr(policy, "stops_early", False))
+
+
+def _uniforms(rows: int, cols: int, generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+    """Uniforms on `device` from the generator wherever it lives (one draw per block)."""
+    gen_device = device if generator is None else generator.device
+    u = ds.uniforms(rows, cols, generator, gen_device)
+    return u.to(device, non_blocking=True)
+
+
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """Flatten tensors into one float32 vector (ids < 2^24 are exact) for a single host copy."""
+    return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unpack(flat: Tensor, shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]]) -> List[Tensor]:
+    """Split a packed host vector back into tensors of the given shapes and dtypes."""
+    out, offset = [], 0
+    for shape, dtype in shapes:
+        size = 1
+        for d in shape:
+            size *= d
+        out.append(flat[offset : offset + size].view(shape).to(dtype))
+        offset += size
+    return out
+
+
+@torch.inference_mode()
+def draft_block(drafter: CachedLM, committed: Sequence[int], k: int, config: "DecodeConfig",
+                generator: Optional[torch.Generator] = None) -> DraftBlock:
+    """`engine.draft_block` without a stopping policy: k drafts sampled on the device; the
+    DraftBlock (tokens [1, k], q ids/probs [1, k, S], floor [1, k]) arrives on the host at once."""
+    params = config.sampling
+    greedy = params.greedy
+    device = drafter.device
+    if k <= 0:
+        return DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0]))
+    u = None if greedy else _uniforms(k, 2, generator, device)
+    feed: object = committed[drafter.length:]
+    tokens: List[Tensor] = []
+    dists: List[SparseDist] = []
+    for i in range(k):
+        logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
+        token, dist = ds.draft_step(logits, greedy, params.temperature, params.top_k, params.top_p,
+                                    config.draft_top_k, config.draft_tail, None if u is None else u[i : i + 1])
+        tokens.append(token)
+        if dist is not None:
+            dists.append(dist)
+        feed = token
+    block_tokens = torch.cat(tokens)
+    if greedy:
+        return DraftBlock(tokens=block_tokens.cpu().view(1, k), lengths=torch.tensor([k]))
+    q = SparseDist.stack(dists, dim=1)  # [1, k, S]
+    support = q.ids.shape[-1]
+    host = pack([block_tokens, q.ids, q.probs, q.floor]).cpu()  # the block's one device→host copy
+    tok, ids, probs, floor = unpack(host, [((1, k), torch.long), ((1, k, support), torch.long),
+                                           ((1, k, support), torch.float32), ((1, k), torch.float32)])
+    return DraftBlock(tokens=tok, lengths=torch.tensor([k]), q=SparseDist(ids=ids, probs=probs, floor=floor,
+                                                                          vocab=q.vocab))
+
+
+@torch.inference_mode()
+def verify_block(verifier: CachedLM, pending: int, block: DraftBlock, config: "DecodeConfig",
+                 generator: Optional[torch.Generator] = None,
+                 hidden_layers: Optional[Sequence[int]] = None) -> Tuple[VerifyOutcome, Optional[Tensor]]:
+    """`engine.verify_block` with acceptance and the recovered/bonus token decided on the device;
+    the outcome (host tensors) costs one device→host copy. Hidden states stay on the device."""
+    start = verifier.length
+    device = verifier.device
+    width = int(block.tokens.shape[1])
+    feed = torch.cat([torch.tensor([pending], dtype=torch.long), block.tokens[0].cpu()]) \
+        if block.tokens.device.type == "cpu" else \
+        torch.cat([torch.tensor([pending], dtype=torch.long, device=block.tokens.device), block.tokens[0]])
+    out = verifier.extend(feed.to(device, non_blocking=True), hidden_layers)
+    logits = out.logits.unsqueeze(0)  # [1, k+1, V]
+    on_device = DraftBlock(block.tokens.to(device, non_blocking=True), block.lengths.to(device, non_blocking=True),
+                           None if block.q is None else block.q.map(lambda t: t.to(device, non_blocking=True)))
+    params = config.sampling
+    if params.greedy:
+        outcome = ds.greedy_verify_device(logits, on_device.tokens, on_device.lengths)
+    else:
+        probs = ds.warp_probs(logits[0], params.temperature, params.top_k, params.top_p).unsqueeze(0)
+        outcome = ds.rejection_sample_device(probs, on_device, _uniforms(1, width + 1, generator, device))
+    host = torch.stack([outcome.accepted, outcome.next_tokens, outcome.is_bonus.long()]).cpu()  # one copy
+    accepted = int(host[0, 0])
+    verifier.rollback(start + 1 + accepted)
+    hidden = out.hidden[:, accepted] if hidden_layers else None
+    return VerifyOutcome(accepted=host[0], next_tokens=host[1], is_bonus=host[2].bool()), hidden
+
+
+def _extend_rows(lms: Sequence[CachedLM], feeds: Tensor, counts: Sequence[int],
+                 hidden_layers: Optional[Sequence[int]]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Feed feeds[b, :counts[b]] to lms[b]: one graphed pass when the rows share a static pool,
+    else one extend per row. Returns logits [B, W, V] and hidden [L, B, W, D] (zero-padded)."""
+    from steerspec.models.graphed import can_graph, graphed_extend
+
+    layers = tuple(hidden_layers or ())
+    width = int(feeds.shape[1])
+    if len(lms) > 1 and can_graph(lms, width):
+        logits, hidden = graphed_extend(lms, feeds, counts, layers)
+        return logits[:, :width], None if hidden is None else hidden[:, :, :width]
+    outs = [lm.extend(feeds[b, : counts[b]], layers or None) for b, lm in enumerate(lms)]
+    logits = torch.zeros(len(lms), width, outs[0].logits.shape[-1], dtype=outs[0].logits.dtype,
+                         device=outs[0].logits.device)
+    hidden = None
+    if layers:
+        hidden = torch.zeros(len(layers), len(lms), width, outs[0].hidden.shape[-1], dtype=outs[0].hidden.dtype,
+                             device=outs[0].hidden.device)
+    for b, out in enumerate(outs):
+        logits[b, : counts[b]] = out.logits
+        if hidden is not None:
+            hidden[:, b, : counts[b]] = out.hidden
+    return logits, hidden
+
+
+@torch.inference_mode()
+def verify_blocks(lms: Sequence[CachedLM], pendings: Sequence[int], blocks: Sequence[DraftBlock],
+                  params: Sequence, generators: Sequence[Optional[torch.Generator]],
+                  hidden_layers: Optional[Sequence[int]] = None) -> Tuple[List[Tuple[int, int, bool]], Optional[Tensor]]:
+    """Batched `verify_block` over sessions (each its own cache, batch-1 block, SamplingParams and
+    generator): one forward pass (graphed when the caches share a pool), acceptance on the device,
+    one device→host copy for every row. Returns [(accepted, next token, is bonus)] and the hidden
+    states [B, L, D] at each row's new-pending position (None without hidden_layers)."""
+    batch = len(lms)
+    device = lms[0].device
+    ks = [int(block.tokens.shape[1]) for block in blocks]
+    width = max(ks) + 1
+    starts = [lm.length for lm in lms]
+    feeds = torch.zeros(batch, width, dtype=torch.long)
+    for b, (pending, block) in enumerate(zip(pendings, blocks)):
+        feeds[b, 0] = int(pending)
+        feeds[b, 1 : ks[b] + 1] = block.tokens[0].cpu()
+    logits, hidden = _extend_rows(lms, feeds.to(device, non_blocking=True), [k + 1 for k in ks], hidden_layers)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    is_bonus = torch.zeros(batch, dtype=torch.bool, device=device)
+    groups: dict = {}
+    for b, (block, p) in enumerate(zip(blocks, params)):
+        key = ("greedy",) if p.greedy else ("sample", None if block.q is None else int(block.q.ids.shape[-1]))
+        groups.setdefault(key, []).append(b)
+    lengths = torch.tensor(ks).to(device, non_blocking=True)
+    tokens = feeds[:, 1:].to(device, non_blocking=True)
+    for key, rows in groups.items():
+        index = torch.tensor(rows).to(device, non_blocking=True)
+        sub_logits, sub_tokens, sub_lengths = logits[index], tokens[index, : width - 1], lengths[index]
+        if key[0] == "greedy":
+            outcome = ds.greedy_verify_device(sub_logits, sub_tokens, sub_lengths)
+        else:
+            temps = torch.tensor([params[b].temperature for b in rows], dtype=torch.float32)
+            top_ks = torch.tensor([params[b].top_k for b in rows])
+            top_ps = torch.tensor([params[b].top_p for b in rows], dtype=torch.float32)
+            per_pos = lambda t: t.repeat_interleave(width).to(device, non_blocking=True)  # noqa: E731
+            probs = ds.warp_probs(sub_logits.reshape(-1, sub_logits.shape[-1]), per_pos(temps), per_pos(top_ks),
+                                  per_pos(top_ps), filter_top_k=bool((top_ks > 0).any()),
+                                  filter_top_p=bool((top_ps < 1).any())).view(sub_logits.shape)
+            q = None
+            if key[1] is not None:
+                q = SparseDist.stack([_pad_q(blocks[b].q, width - 1, device) for b in rows], dim=0)
+            u = torch.zeros(len(rows), width, device=device)
+            for r, b in enumerate(rows):
+                u[r, : ks[b] + 1] = _uniforms(1, ks[b] + 1, generators[b], device)[0]
+            outcome = ds.rejection_sample_device(probs, DraftBlock(sub_tokens, sub_lengths, q), u)
+        accepted[index], next_tokens[index], is_bonus[index] = outcome.accepted, outcome.next_tokens, outcome.is_bonus
+    host = torch.stack([accepted, next_tokens, is_bonus.long()]).cpu().tolist()  # the batch's one copy
+    results = [(host[0][b], host[1][b], bool(host[2][b])) for b in range(batch)]
+    for lm, start, (acc, _, _) in zip(lms, starts, results):
+        lm.rollback(start + 1 + acc)
+    states = None
+    if hidden is not None:  # [L, B, W, D] -> [B, L, D] at each row's accepted position
+        states = hidden[:, torch.arange(batch, device=device), accepted].transpose(0, 1)
+    return results, states
+
+
+def _pad_q(q: SparseDist, width: int, device: torch.device) -> SparseDist:
+    """A batch-1 block's q [1, k, S] as [width, S] on `device` (padding rows: probability 0)."""
+    k = q.ids.shape[1]
+    ids = torch.zeros(width, q.ids.shape[-1], dtype=torch.long)
+    probs = torch.zeros(width, q.ids.shape[-1], dtype=torch.float32)
+    floor = torch.zeros(width, dtype=torch.float32)
+    ids[:k], probs[:k] = q.ids[0].cpu(), q.probs[0].float().cpu()
+    if q.floor is not None:
+        floor[:k] = q.floor[0].float().cpu()
+    return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: t.to(device, non_blocking=True))
+
+
+def _first_logits(rows: Sequence, active: List[int]) -> Tensor:
+    """Step-0 logits [A, V]: given ones, one-token feeds in one batched pass, longer feeds alone."""
+    from steerspec.models.batched import batched_extend
+
+    logits: List[Optional[Tensor]] = [None] * len(active)
+    single: List[int] = []
+    for a, i in enumerate(active):
+        row = rows[i]
+        if row.first_logits is not None:
+            logits[a] = row.first_logits
+            continue
+        feed = list(row.committed[row.lm.length:])
+        if len(feed) == 1:
+            single.append(a)
+        else:
+            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
+    if single:
+        device = rows[active[single[0]]].lm.device
+        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long).to(device)
+        out = batched_extend([rows[active[a]].lm for a in single], feed)
+        for r, a in enumerate(single):
+            logits[a] = out[r : r + 1]
+    return torch.cat(logits)  # type: ignore[arg-type]
+
+
+def applies_rows(rows: Sequence) -> bool:
+    """True when every row of a batched draft can take the device path."""
+    return bool(rows) and all(applies(row.lm, row.policy) for row in rows)
+
+
+@torch.inference_mode()
+def draft_blocks(rows: Sequence) -> List[DraftBlock]:
+    """`drafting.draft_blocks` (rows: lm, committed, k, config, generator, policy, first_logits)
+    without stopping policies: one batched step per position (graphed when the caches share a
+    pool), sampling on the device from each row's generator, one host copy for all blocks."""
+    from steerspec.models.batched import batched_extend
+
+    device = rows[0].lm.device
+    ks = [max(int(row.k), 0) for row in rows]
+    u = [None if row.config.greedy or k == 0 else _uniforms(k, 2, row.generator, device)
+         for row, k in zip(rows, ks)]
+    tokens: List[List[Tensor]] = [[] for _ in rows]
+    dists: List[List[SparseDist]] = [[] for _ in rows]
+    active = [i for i, k in enumerate(ks) if k > 0]
+    logits = _first_logits(rows, active) if active else None
+    step = 0
+    while active:
+        chosen = torch.empty(len(active), dtype=torch.long, device=device)
+        groups: dict = {}
+        for a, i in enumerate(active):
+            config = rows[i].config
+            p = config.sampling
+            key = None if config.greedy else (p.temperature, p.top_k, p.top_p, config.draft_top_k, config.draft_tail)
+            groups.setdefault(key, []).append(a)
+        for key, members in groups.items():
+            index = torch.tensor(members).to(device, non_blocking=True) if len(members) < len(active) else None
+            sub = logits if index is None else logits[index]
+            if key is None:
+                tok = sub.argmax(-1)
+            else:
+                temperature, top_k, top_p, draft_top_k, tail = key
+                uu = torch.stack([u[active[a]][step] for a in members])  # type: ignore[index]
+                tok, dist = ds.draft_step(sub, False, temperature, top_k, top_p, draft_top_k, tail, uu)
+                for r, a in enumerate(members):
+                    dists[active[a]].append(dist.map(lambda t, r=r: t[r : r + 1]))
+            if index is None:
+                chosen = tok
+            else:
+                chosen[index] = tok
+        for a, i in enumerate(active):
+            tokens[i].append(chosen[a : a + 1])
+        keep = [a for a, i in enumerate(active) if len(tokens[i]) < ks[i]]
+        if not keep:
+            break
+        feed = chosen if len(keep) == len(active) else chosen[torch.tensor(keep).to(device, non_blocking=True)]
+        active = [active[a] for a in keep]
+        logits = batched_extend([rows[i].lm for i in active], feed)
+        step += 1
+    return _to_host(rows, ks, tokens, dists)
+
+
+def _to_host(rows: Sequence, ks: List[int], tokens: List[List[Tensor]], dists: List[List[SparseDist]]) -> List[DraftBlock]:
+    """Every row's tokens and q in one packed device→host copy, as batch-1 DraftBlocks."""
+    parts: List[Tensor] = []
+    shapes: List[Tuple[Tuple[int, ...], torch.dtype]] = []
+    for k, toks, ds_ in zip(ks, tokens, dists):
+        if k == 0:
+            continue
+        parts.append(torch.cat(toks))
+        shapes.append(((1, k), torch.long))
+        if ds_:
+            q = SparseDist.stack(ds_, dim=1)
+            support = q.ids.shape[-1]
+            parts += [q.ids, q.probs, q.floor]
+            shapes += [((1, k, support), torch.long), ((1, k, support), torch.float32), ((1, k), torch.float32)]
+    host = unpack(pack(parts).cpu(), shapes) if parts else []
+    blocks, at = [], 0
+    for row, k, ds_ in zip(rows, ks, dists):
+        if k == 0:
+            blocks.append(DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0])))
+            continue
+        tok = host[at]
+        at += 1
+        q = None
+        if ds_:
+            q = SparseDist(ids=host[at], probs=host[at + 1], floor=host[at + 2], vocab=ds_[0].vocab)
+            at += 3
+        blocks.append(DraftBlock(tokens=tok, lengths=torch.tensor([k]), q=q))
+    return blocks
