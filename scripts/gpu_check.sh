@@ -15,6 +15,7 @@ PART=${1:?usage: gpu_check.sh 1|2|3}
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+DEV=${DEVICE:-cuda}  # DEVICE=cpu smoke-tests the script itself on a machine without a GPU
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 
 step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, append a summary line
@@ -32,31 +33,31 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, ap
 
 case "$PART" in
 1)
-  step tests 170 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
+  step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
     tests/test_fastpath.py tests/test_bench_step.py
-  step step 260 $PY -m steerspec bench step --device cuda --dtypes float32,bfloat16 --k 8 --temperature 1 \
+  step step 240 $PY -m steerspec bench step --device "$DEV" --dtypes float32,bfloat16 --k 8 --temperature 1 \
     --iters 100 --warmup 10 --out "$OUT/step.json"
-  step profile 150 $PY -m steerspec bench step --device cuda --dtypes float32,bfloat16 --k 8 --temperature 1 \
+  step profile 120 $PY -m steerspec bench step --device "$DEV" --dtypes float32,bfloat16 --k 8 --temperature 1 \
     --iters 5 --floor none --profile 5 --out "$OUT/profile.json"
   ;;
 2)
   for dtype in float32 bfloat16; do
-    step "engine-$dtype" 110 $PY -m steerspec bench engine --device cuda --dtype "$dtype" --prompts 16 \
+    step "engine-$dtype" 90 $PY -m steerspec bench engine --device "$DEV" --dtype "$dtype" --prompts 16 \
       --ks 2,8 --no-assisted --out "$OUT/engine-$dtype.json"
   done
   for dtype in float32 bfloat16; do
-    step "remote-$dtype" 180 $PY -m steerspec bench remote --device cuda --dtype "$dtype" --deployment local \
+    step "remote-$dtype" 170 $PY -m steerspec bench remote --device "$DEV" --dtype "$dtype" --deployment local \
       --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0,10,50 --prompts 4 --concurrency 1,8 \
       --concurrency-rtt-ms 50 --out "$OUT/remote-$dtype.json" --plot "$OUT/remote-$dtype.png"
   done
   ;;
 3)
-  step step-fp16 200 $PY -m steerspec bench step --device cuda --dtypes float16 --k 8 --temperature 1 \
+  step step-fp16 150 $PY -m steerspec bench step --device "$DEV" --dtypes float16 --k 8 --temperature 1 \
     --iters 100 --warmup 10 --out "$OUT/step-fp16.json"
-  step step-nographs 120 env STEERSPEC_CUDA_GRAPHS=0 $PY -m steerspec bench step --device cuda --dtypes float32 \
+  step step-nographs 120 env STEERSPEC_CUDA_GRAPHS=0 $PY -m steerspec bench step --device "$DEV" --dtypes float32 \
     --floor none --iters 50 --out "$OUT/step-nographs.json"
-  step hop 120 $PY -m steerspec bench hop --out "$OUT/hop.json"
-  step remote-rtt0-breakdown 150 $PY -m steerspec bench remote --device cuda --dtype float32 --deployment local \
+  step hop 90 $PY -m steerspec bench hop --out "$OUT/hop.json"
+  step remote-rtt0-breakdown 150 $PY -m steerspec bench remote --device "$DEV" --dtype float32 --deployment local \
     --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0 --prompts 8 --concurrency 1 --out "$OUT/remote-rtt0.json"
   ;;
 *)

@@ -23,6 +23,8 @@ def free_cache(session) -> None:
     (closing a stream must not pull a cache from under a batch that other sessions share)."""
     if session.closed and not session.in_compute:
         session.lm.reset()
+        if hasattr(session.lm, "close"):  # a GraphedLM gives its static-pool slot back
+            session.lm.close()
 
 
 class WindowBatcher(Generic[J, R]):

@@ -114,8 +114,8 @@ def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
 
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
-    if fastpath.applies_rows(rows):  # device sampling, one host copy for all blocks (CUDA)
-        return fastpath.draft_blocks(rows)
+    if fastpath.applies_any(rows):  # device sampling, one host copy (CUDA); stopping policies stay here
+        return fastpath.draft_blocks_split(rows, draft_blocks)
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0

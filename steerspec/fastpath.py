@@ -79,7 +79,8 @@ def draft_block(drafter: CachedLM, committed: Sequence[int], k: int, config: "De
     if k <= 0:
         return DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0]))
     u = None if greedy else _uniforms(k, 2, generator, device)
-    feed: object = committed[drafter.length:]
+    # a pageable non-blocking copy: no wait for the stream (torch.tensor(..., device=) would)
+    feed: Tensor = torch.tensor(list(committed[drafter.length:]), dtype=torch.long).to(device, non_blocking=True)
     tokens: List[Tensor] = []
     dists: List[SparseDist] = []
     for i in range(k):
@@ -251,9 +252,23 @@ def _first_logits(rows: Sequence, active: List[int]) -> Tensor:
     return torch.cat(logits)  # type: ignore[arg-type]
 
 
-def applies_rows(rows: Sequence) -> bool:
-    """True when every row of a batched draft can take the device path."""
-    return bool(rows) and all(applies(row.lm, row.policy) for row in rows)
+def applies_any(rows: Sequence) -> bool:
+    """True when some row of a batched draft can take the device path."""
+    return any(applies(row.lm, row.policy) for row in rows)
+
+
+def draft_blocks_split(rows: Sequence, host_draft_blocks) -> List[DraftBlock]:
+    """Rows that can take the device path draft there together; the others (stopping policies)
+    through `host_draft_blocks`. A session's block never depends on who shares its batch."""
+    device_rows = [i for i, row in enumerate(rows) if applies(row.lm, row.policy)]
+    host_rows = [i for i, row in enumerate(rows) if not applies(row.lm, row.policy)]
+    blocks: List[Optional[DraftBlock]] = [None] * len(rows)
+    for i, block in zip(device_rows, draft_blocks([rows[i] for i in device_rows])):
+        blocks[i] = block
+    if host_rows:
+        for i, block in zip(host_rows, host_draft_blocks([rows[i] for i in host_rows])):
+            blocks[i] = block
+    return blocks  # type: ignore[return-value]
 
 
 @torch.inference_mode()

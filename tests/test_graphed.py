@@ -17,8 +17,9 @@ from tests.conftest import make_tiny_model_dir
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _tol(dtype: torch.dtype) -> float:
-    return 1e-4 if dtype == torch.float32 else 5e-2
+def _tol(dtype: torch.dtype) -> dict:
+    """fp32: rounding only; half types: the masked full-capacity attention rounds differently."""
+    return dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=0.3, rtol=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +124,14 @@ def test_cuda_graphs_equal_eager(model_pair, dtype):
     pool = StaticKVPool(verifier, slots=4, capacity=512)
     assert pool.use_graphs
     graphed, fast = GraphedLM(verifier, pool), FastCachedLM(verifier)
-    prompt = list(range(3, 60))
+    prompt = list(range(3, 90))  # longer than the largest token bucket: the eager path fills it
     graphed.extend(prompt)
     fast.extend(prompt)
     for _ in range(3):  # the first call captures, later calls replay
         for feed in ([5], list(range(10, 19))):
             a, b = graphed.extend(feed, hidden_layers=[0, 1]), fast.extend(feed, hidden_layers=[0, 1])
-            torch.testing.assert_close(a.logits.float(), b.logits.float(), atol=_tol(dtype), rtol=_tol(dtype))
-            torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=_tol(dtype), rtol=_tol(dtype))
+            torch.testing.assert_close(a.logits.float(), b.logits.float(), **_tol(dtype))
+            torch.testing.assert_close(a.hidden.float(), b.hidden.float(), **_tol(dtype))
         graphed.rollback(len(prompt))
         fast.rollback(len(prompt))
     assert len(pool._graphs) == 2

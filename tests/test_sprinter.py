@@ -277,3 +277,26 @@ def test_cli_json_marks_sprinter_lossy_and_exact_not(capsys):
     assert code == 0 and exact["lossy"] is False and exact["verification"] == "exact"
     code, out, _ = _cli(capsys, *args[:-1], "--verification", "sprinter")
     assert code == 0 and "LOSSY (sprinter" in out
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def test_train_sprinter_is_seeded_and_resumable(capsys, tiny_pair, tmp_path):
+    verifier, drafter = tiny_pair
+    common = ["train", "sprinter", "--verifier", str(verifier), "--drafter", str(drafter), "--train-tokens", "400",
+              "--heldout-tokens", "200", "--seq-len", "32", "--hidden", "8", "--batch-size", "64"]
+    code, out, _ = _cli(capsys, *common, "--epochs", "3", "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa"))
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert 0.0 <= report["heldout"]["roc_auc"] <= 1.0 and report["heldout"]["tokens"] >= 200
+    assert (tmp_path / "a" / "roc.png").stat().st_size > 0 and (tmp_path / "a" / "MODEL_CARD.md").exists()
+    # two epochs, then resume to three: the same head as three epochs in one go
+    _cli(capsys, *common, "--epochs", "2", "--out", str(tmp_path / "b"), "--work", str(tmp_path / "wb"))
+    code, _, _ = _cli(capsys, *common, "--epochs", "3", "--out", str(tmp_path / "b"), "--work", str(tmp_path / "wb"))
+    assert code == 0
+    a, b = load_head(tmp_path / "a"), load_head(tmp_path / "b")
+    assert a.meta["losses"] == b.meta["losses"] and len(a.meta["losses"]) == 3
+    for key, value in a.head.state_dict().items():
+        assert torch.equal(value, b.head.state_dict()[key]), key
+    code, _, err = _cli(capsys, *common, "--threshold", "1.2")
+    assert code == 2 and "--threshold" in err

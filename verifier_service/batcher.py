@@ -27,6 +27,7 @@ from steerspec.batching import WindowBatcher
 from steerspec.sampling import probs_from_logits
 from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
 from steerspec.wire import WireBlock
+from verifier_service import fast_verify
 from verifier_service.sessions import VerifierSession
 
 
@@ -76,6 +77,8 @@ class VerifyRunner:
     @torch.inference_mode()
     def prefill(self, session: VerifierSession, prompt: List[int]) -> Optional[Tensor]:
         """Feed prompt[:-1]; return the steering vector for block 1 when the session asked for one."""
+        if fast_verify.applies([session.lm]):  # static/graphed cache, device acceptance (CUDA)
+            return fast_verify.prefill(self, session, prompt)
         lm = session.lm
         lm.reset()
         feed = prompt[:-1]
@@ -96,6 +99,8 @@ class VerifyRunner:
     @torch.inference_mode()
     def run(self, jobs: List[VerifyJob]) -> List[JobResult]:
         """Verify every job's block in one forward pass; roll each cache back; return results."""
+        if fast_verify.applies([job.session.lm for job in jobs]):  # one host copy per batch (CUDA)
+            return fast_verify.run(self, jobs)
         start = time.perf_counter()
         batch = len(jobs)
         feeds = [[job.session.pending, *job.block.draft_ids.tolist()] for job in jobs]

@@ -19,6 +19,7 @@ from steerspec.models.kv import CachedLM
 from steerspec.models.loading import kv_bytes_per_token
 from steerspec.sampling import SamplingParams
 from steerspec.wire import ProtocolError
+from verifier_service import fast_verify
 
 
 @dataclass
@@ -99,7 +100,7 @@ class SessionTable:
                                 f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         self.check_room(None, prompt_len + max_k)
-        session = VerifierSession(session_id=session_id, lm=CachedLM(self.model), committed=prompt_len,
+        session = VerifierSession(session_id=session_id, lm=fast_verify.session_lm(self.model), committed=prompt_len,
                                   max_k=max_k, **fields)
         self.sessions[session_id] = session
         self.reserved[session_id] = prompt_len + max_k

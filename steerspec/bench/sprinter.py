@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -67,7 +68,8 @@ def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> f
 
 
 @torch.inference_mode()
-def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, threshold: float, lam: float) -> Dict[str, float]:
+def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, threshold: float,
+                   lam: float) -> Dict[str, float]:
     """Closed-form d_TV(p, p_SPRINTER) of the first token at this prompt, with Theorem 1's bound there."""
     from steerspec.models.kv import CachedLM
     from steerspec.sampling import draft_distribution, probs_from_logits
@@ -98,8 +100,6 @@ def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, thres
 def _sampled_tv(generate, prompt, config, samples: int, p_first) -> float:
     """d_TV between the empirical first-token distribution over `samples` seeds and p (3 tokens, so a
     first token the head keeps is committed unverified; with 2 the budget would verify it)."""
-    from dataclasses import replace
-
     counts = torch.zeros_like(p_first)
     for seed in range(samples):
         token = generate(prompt, replace(config, max_new_tokens=3, seed=10_000 + seed, eos_token_ids=())).token_ids[0]
@@ -147,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
     configs["exact"](prompts[0], base)  # warm-up
 
     rows: Dict[str, Dict] = {}
-    from dataclasses import replace
     for name, generate in configs.items():
         results, nll, lls = [], [], []
         for i, ids in enumerate(prompts):
@@ -211,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
               "TV 1st", "TV smp", "run", "E[run]", "ppl ratio", "win-tie"]
     print(" | ".join(header))
     for name, row in rows.items():
-        cells = [name, f"{row['tokens_per_call']:.2f}", f"{row['ms_per_token_mean']:.2f}±{row['ms_per_token_std']:.2f}"]
+        cells = [name, f"{row['tokens_per_call']:.2f}",
+                 f"{row['ms_per_token_mean']:.2f}±{row['ms_per_token_std']:.2f}"]
         cells += [f"{row['speedup'][f'{r:g}']:.2f}" for r in rtts]
         if name == "exact":
             cells += ["-", "-", "-", "0", f"{row.get('first_token_tv_sampled', float('nan')):.3f}", "-", "-"]

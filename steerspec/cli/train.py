@@ -8,6 +8,7 @@ COMMANDS = (
     ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
     ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
     ("sprinter", "steerspec.train.sprinter", "train the SPRINTER acceptance classifier for a drafter (lossy mode)"),
+    ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
 )
 
 

@@ -34,6 +34,12 @@ def resolve_model_dir(name_or_dir: Union[str, Path]) -> Path:
         raise UsageError("empty model name: pass a local checkpoint directory or a bundled name "
                          f"({', '.join(BUNDLED_NAMES)})")
     name = ALIASES.get(text, text)
+    if name == "smollm2" and not Path(text).exists():
+        from steerspec.models import smollm2
+
+        return smollm2.ensure_model_dir()
+    if name.startswith("smollm2-") and not Path(text).exists() and (MODELS_DIR / name / "config.json").is_file():
+        return MODELS_DIR / name
     if name in BUNDLED_NAMES and not Path(text).exists():
         path = MODELS_DIR / name
         if not (path / "config.json").is_file():
@@ -98,6 +104,12 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_model_dir(name_or_dir)
     _check_swiglu(path)
+    from steerspec.models import reduced
+
+    if reduced.is_reduced_dir(path):
+        model = reduced.load_reduced(path, dtype=torch_dtype).to(torch_device).eval()
+        model.requires_grad_(False)
+        return model
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
     except (OSError, ValueError) as exc:

@@ -121,7 +121,10 @@ def draft_run(drafter: CachedLM, committed: Sequence[int], limit: int, config: D
         if not keep:
             break
         feed = token
-    block_tokens = torch.cat(tokens).view(1, -1) if tokens else torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
+    if tokens:
+        block_tokens = torch.cat(tokens).view(1, -1)
+    else:
+        block_tokens = torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
     q = SparseDist.stack(q_rows, dim=1) if q_rows else None
     return DraftBlock(block_tokens, torch.tensor([len(tokens)], device=drafter.device), q), kept
 
@@ -130,7 +133,8 @@ def verify_run(verifier: CachedLM, pending: int, block: DraftBlock, config: Deco
                generator: Optional[torch.Generator], hidden_layers: Optional[Sequence[int]] = None):
     """One verifier call for a run: feed [pending, x_1..x_j], keep x_1..x_{j−1}, check x_j exactly.
 
-    Returns (accepted count in the run, next token, probs [j+1, V] or None for greedy, hidden or None).
+    Returns (accepted count in the run, next token, the verifier's probs [j+1, V] (None when greedy),
+    its logits [j+1, V], and the steering hidden states [L, D] or None).
     """
     start = verifier.length
     device = verifier.device
@@ -228,7 +232,8 @@ def sprinter_generate(
         t0 = time.perf_counter()
         block, kept = draft_run(drafter, committed, max(min(max_run, room - 1), 0), config, g_draft, scorer, threshold)
         t1 = time.perf_counter()
-        accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config, g_verify, layers)
+        accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config,
+                                                                 g_verify, layers)
         t2 = time.perf_counter()
         _label_run(result, block, kept, probs, logits, verifier.vocab_size)
         drafted = int(block.tokens.shape[1])

@@ -179,7 +179,8 @@ A drafter-side classifier for SteerSpec's **lossy, opt-in** `--verification spri
 the drafter's own features only: the hidden state entering its last decoder layer at the
 position that sampled x, the input embedding of x, q(x), log q(x) and the entropy of q.
 
-- Architecture: LayerNorm({feature_dim}) → Linear({feature_dim}, {hidden}) → GELU → Linear({hidden}, 1); {params} parameters.
+- Architecture: LayerNorm({feature_dim}) → Linear({feature_dim}, {hidden}) → GELU → Linear({hidden}, 1);
+  {params} parameters.
 - Labels: λ = {lam}; teacher-forced windows of {seq_len} tokens from the stdlib training split,
   x drawn from the drafter's draft distribution at T = 1 (top {draft_top_k} + spread tail).
 - Training: {train_tokens} tokens, {epochs} epochs, AdamW lr {lr}, class-balanced BCE, seed {seed}.

@@ -1,0 +1,85 @@
+"""The verifier service on the device path: sessions in slots of a static KV pool (graphed on
+CUDA) and batches verified by `steerspec.fastpath.verify_blocks` (one forward pass, acceptance
+on the device, one device→host copy per batch). Used when `fastpath.enabled(device)` (CUDA by
+default, STEERSPEC_DEVICE_SAMPLING); otherwise the service keeps its transformers-cache path.
+
+Hooks (a line or two each): `VerifierSessions.open` builds the session's cache with `session_lm`;
+`VerifyRunner.prefill` and `VerifyRunner.run` hand over to `prefill`/`run` when `applies`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from steerspec import fastpath
+from steerspec.models.kv import CachedLM, FastCachedLM, cached_lm
+from steerspec.speculative import DraftBlock
+
+
+def session_lm(model) -> CachedLM:
+    """A session's verifier cache: graphed/fast when the device path serves this model, else the
+    transformers cache the batched HF path needs."""
+    if fastpath.enabled(model.device) and FastCachedLM.supports(model):
+        return cached_lm(model)
+    return CachedLM(model)
+
+
+def applies(lms: Sequence[CachedLM]) -> bool:
+    """True when every cache can take the device path."""
+    return bool(lms) and all(isinstance(lm, FastCachedLM) and fastpath.enabled(lm.device) for lm in lms)
+
+
+def _layers(runner) -> Optional[List[int]]:
+    return None if runner.head is None else [int(layer) for layer in runner.head.layers]
+
+
+def _head(runner, states: Tensor) -> Tensor:
+    """g [B, d_V] from hidden states [B, L, D] entering the head's layers (concatenated in order)."""
+    head_device = next(runner.head.parameters()).device
+    return runner.head(states.reshape(states.shape[0], -1).to(head_device, torch.float32)).float()
+
+
+@torch.inference_mode()
+def prefill(runner, session, prompt: List[int]) -> Optional[Tensor]:
+    """`VerifyRunner.prefill` on a fast/graphed cache: feed prompt[:-1]; steering for block 1."""
+    lm = session.lm
+    lm.reset()
+    feed = prompt[:-1]
+    want = session.steering and runner.head is not None
+    if not feed:
+        return runner.initial_steering() if want else None
+    out = lm.extend(feed, _layers(runner) if want else None, logits_to_keep=1)
+    if not want:
+        return None
+    return _head(runner, out.hidden[:, -1].unsqueeze(0))[0]
+
+
+@torch.inference_mode()
+def run(runner, jobs) -> list:
+    """`VerifyRunner.run` on the device path: the same JobResults, one host copy per batch."""
+    from verifier_service.batcher import JobResult
+
+    start = time.perf_counter()
+    want_hidden = runner.head is not None and any(job.session.steering for job in jobs)
+    blocks = []
+    for job in jobs:
+        k = job.block.k
+        q = None if job.block.q is None else job.block.q.map(lambda t: t.unsqueeze(0))
+        blocks.append(DraftBlock(tokens=torch.from_numpy(job.block.draft_ids).view(1, k).long(),
+                                 lengths=torch.tensor([k]), q=q))
+    sessions = [job.session for job in jobs]
+    results, states = fastpath.verify_blocks([s.lm for s in sessions], [s.pending for s in sessions], blocks,
+                                             [s.params for s in sessions], [s.generator for s in sessions],
+                                             _layers(runner) if want_hidden else None)
+    steering: List[Optional[Tensor]] = [None] * len(jobs)
+    if want_hidden:
+        g = _head(runner, states)
+        steering = [g[i] if s.steering else None for i, s in enumerate(sessions)]
+    verify_ms = (time.perf_counter() - start) * 1e3
+    return [JobResult(accepted=acc, next_token=nxt, is_bonus=bonus, steering=steering[i],
+                      queue_ms=(start - job.submitted) * 1e3, verify_ms=verify_ms, batch_size=len(jobs))
+            for i, (job, (acc, nxt, bonus)) in enumerate(zip(jobs, results))]
