@@ -57,7 +57,9 @@ def init_ray(address: Optional[str] = None, *, edge: float = 2, verifier: float 
     # Workers import coordinator/, verifier_service/ and drafter_service/ from where this package lives.
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=RAY_CPUS, resources={EDGE: edge, VERIFIER: verifier}, include_dashboard=False,
+    # address="local": always a new Ray of our own, never one another process started on this machine
+    # (a bare ray.init() joins the cluster named in /tmp/ray/ray_current_cluster).
+    ray.init(address="local", num_cpus=RAY_CPUS, resources={EDGE: edge, VERIFIER: verifier}, include_dashboard=False,
              log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     return True
