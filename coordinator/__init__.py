@@ -1,4 +1,4 @@
-"""The coordinator: session placement, the round-trip loop, the state store, the client SDK.
+"""The coordinator: session placement, the round-trip loop, the client SDK (the state store is `steerspec.store`).
 
 - `coordinator.client.Client` — the SDK (`steerspec.Client`);
 - `coordinator.server.Coordinator` / `CoordinatorService` — the public Generate API (grpc.aio);
@@ -6,8 +6,10 @@
 - `coordinator.results` — per-block costs (`BlockStats`) and `DistributedResult`;
 - `coordinator.streams` — shared channels, streams that report failed replicas;
 - `coordinator.placement.Placer` — least-loaded / round-robin replica choice;
-- `coordinator.store` — registry + checkpoints (`InProcessStore`, `RedisStore`);
-- `coordinator.local` — `LocalCluster` (in-process servers) and `run_distributed` (local Ray).
+- `coordinator.launch` — `launch(Services(...), "local"|"ray")`, the one launcher (and the one `ray.init`);
+  `run_distributed` is `steerspec run --transport grpc`;
+- `coordinator.local` — `LocalCluster`, the local deployment (every server in this process);
+- `coordinator.ray_app` — the Ray actors and `deploy` (placement by custom resources).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ _EXPORTS = {
     "SessionRequest": "coordinator.loop",
     "SessionError": "coordinator.streams",
     "DistributedResult": "coordinator.results",
-    "InProcessStore": "coordinator.store",
-    "RedisStore": "coordinator.store",
     "LocalCluster": "coordinator.local",
-    "run_distributed": "coordinator.local",
+    "Services": "coordinator.launch",
+    "launch": "coordinator.launch",
+    "run_distributed": "coordinator.launch",
 }
 
 __all__ = sorted(_EXPORTS)

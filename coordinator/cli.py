@@ -7,9 +7,11 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from steerspec.errors import UsageError
+from steerspec.linkemu import add_link_arguments, link_from_args
+from steerspec.targets import parse_targets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,27 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=None,
                         help="context limit (prompt + generated); default: the --tokenizer model's "
                              "max_position_embeddings")
-    parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated coordinator↔verifier round trip")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="emulated RTT jitter (uniform, ± half each way)")
-    parser.add_argument("--bandwidth-mbps", type=float, default=0.0,
-                        help="emulated link bandwidth; adds size/bandwidth per message (0 = unlimited)")
-    parser.add_argument("--link-seed", type=int, default=0, help="seed of the emulated jitter")
+    add_link_arguments(parser)
     parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registry TTL of a replica")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default=None,
                         help="address for /metrics (default: --host; 0.0.0.0 lets a Prometheus container scrape it)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="accept lossy verification requests (sprinter); without it they get FAILED_PRECONDITION")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
-
-
-def parse_targets(text: str, flag: str) -> List[str]:
-    """'h:p,h:p' -> ['h:p', 'h:p'] (UsageError on a malformed entry)."""
-    targets = [t.strip() for t in (text or "").split(",") if t.strip()]
-    for target in targets:
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit() or not (0 < int(port) < 65536):
-            raise UsageError(f"{flag} expects HOST:PORT[,HOST:PORT...], got '{target}'")
-    return targets
 
 
 def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]]:
@@ -84,9 +74,8 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
 
 async def _main(args) -> int:
     from coordinator.server import Coordinator, serve
-    from coordinator.store import open_store
+    from steerspec.store import open_store
     from steerspec.grpc_common import serve_until_signal
-    from steerspec.linkemu import LinkModel
 
     tracer = None
     if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -105,13 +94,12 @@ async def _main(args) -> int:
         print(f"steerspec coordinator metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
     tokenizer, eos = load_tokenizer_and_eos(args.tokenizer)
     max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
-    link = LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
-                     seed=args.link_seed).validate()
+    link = link_from_args(args)
     store = await open_store(args.redis_url)
     coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
-                              max_length=max_length)
+                              max_length=max_length, allow_lossy=args.allow_lossy)
     running = await serve(coordinator, host=args.host, port=args.port)
     print(f"steerspec coordinator serving on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
@@ -120,11 +108,9 @@ async def _main(args) -> int:
 
 def run(args) -> int:
     from steerspec.grpc_common import check_port
-    from steerspec.linkemu import LinkModel
-
     parse_targets(args.verifier, "--verifier")
     parse_targets(args.drafter, "--drafter")
-    LinkModel(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps).validate()
+    link_from_args(args)
     if args.max_length is not None and args.max_length < 2:
         raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
     if args.heartbeat_ttl_s <= 0:

@@ -37,7 +37,7 @@ import grpc
 
 from coordinator.placement import Placer
 from coordinator.results import BlockStats, Chunk, DistributedResult, block_span
-from coordinator.store import InProcessStore, Store
+from steerspec.store import InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K

@@ -16,7 +16,7 @@ import itertools
 from collections import Counter
 from typing import Collection, Dict, Iterable, Optional
 
-from coordinator.store import Store
+from steerspec.store import Store
 
 
 class NoReplica(RuntimeError):

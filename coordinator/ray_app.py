@@ -8,9 +8,10 @@ Placement (custom resources; DESIGN.md "Ray actors with resource requests"):
   so the only remote hop of a session is coordinator → verifier. One ``edge`` unit = one
   drafter + coordinator pair.
 
-The actor classes carry no custom resources by themselves (so a plain ``ray.init()`` can run
-them, as ``steerspec run --transport grpc`` does); ``deploy`` / ``deploy_local`` apply the
-placement with ``.options(...)``. Every actor is an asyncio actor: ``start()`` starts its
+The actor classes carry no custom resources by themselves; ``deploy`` applies the placement with
+``.options(...)``. They are made from plain classes (``VerifierServer`` ...) when first asked for
+(``ray_app.VerifierActor``), so importing this module neither imports Ray nor touches the
+environment; Ray is started by ``coordinator.launch``. Every actor is an asyncio actor: ``start()`` starts its
 ``grpc.aio`` server in the actor's event loop (``host`` 127.0.0.1 by default, port 0) and returns
 ``"host:port"``; ``stop()`` shuts it down gracefully; ``node_id()`` says where it runs.
 
@@ -26,10 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray binds 127.0.0.1
-
-import ray  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from coordinator.launch import import_ray, init_ray
+from steerspec.linkemu import add_link_arguments, link_from_args
 
 EDGE = "edge"
 VERIFIER = "verifier"
@@ -40,7 +39,7 @@ NAMESPACE = "steerspec"
 def _bind_host(host: str) -> str:
     """'node' -> this node's IP (for real clusters); anything else is used as given."""
     if host == "node":
-        return ray.util.get_node_ip_address()
+        return import_ray().util.get_node_ip_address()
     return host
 
 
@@ -68,7 +67,7 @@ class _ServerActor:
     running = None
 
     def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+        return import_ray().get_runtime_context().get_node_id()
 
     def pid(self) -> int:
         return os.getpid()
@@ -126,8 +125,7 @@ class _ModelServerActor(_ServerActor):
         raise NotImplementedError
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class VerifierActor(_ModelServerActor):
+class VerifierServer(_ModelServerActor):
     """The verifier service (model + session table + batcher) served from this actor."""
 
     service = "verifier"
@@ -151,8 +149,7 @@ class VerifierActor(_ModelServerActor):
         return await serve(model, config, host=host, port=self.port, steering_head=head)
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class DrafterActor(_ModelServerActor):
+class DrafterServer(_ModelServerActor):
     """The drafter service served from this actor (an edge node)."""
 
     service = "drafter"
@@ -175,8 +172,7 @@ class DrafterActor(_ModelServerActor):
         return await serve(model, config, host=host, port=self.port, hooks=hooks)
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class CoordinatorActor(_ServerActor):
+class CoordinatorServer(_ServerActor):
     """The coordinator (public Generate API) served from this actor, next to its drafter."""
 
     def __init__(self, verifiers: Sequence[str] = (), drafters: Sequence[str] = (), tokenizer: Optional[str] = "verifier",
@@ -192,13 +188,14 @@ class CoordinatorActor(_ServerActor):
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.metrics_server = None
         self.metrics_address = ""
+        self.coordinator = None
 
     async def start(self) -> str:
         if self.running is not None:
             return self.running.target
         from coordinator.cli import load_tokenizer_and_eos
         from coordinator.server import Coordinator, serve
-        from coordinator.store import open_store
+        from steerspec.store import open_store
         from steerspec.linkemu import LinkModel
 
         host = _bind_host(self.host)
@@ -220,7 +217,17 @@ class CoordinatorActor(_ServerActor):
                                   link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s)
         self.running = await serve(coordinator, host=host, port=self.port)
+        self.coordinator = coordinator
         return self.running.target
+
+    def set_link(self, rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0,
+                 link_seed: int = 0) -> None:
+        """Change the emulated link for the sessions started from now on."""
+        from steerspec.linkemu import LinkModel
+
+        self.link_args = dict(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, seed=link_seed)
+        if self.coordinator is not None:
+            self.coordinator.config.link = LinkModel(**self.link_args).validate()
 
     def metrics_target(self) -> str:
         return self.metrics_address
@@ -230,6 +237,25 @@ class CoordinatorActor(_ServerActor):
             self.metrics_server.shutdown()
             self.metrics_server = None
         return await super().stop(grace)
+
+
+# ------------------------------------------------------------------------------------ actor classes
+
+_SERVERS = {"VerifierActor": VerifierServer, "DrafterActor": DrafterServer, "CoordinatorActor": CoordinatorServer}
+_ACTORS: Dict[str, object] = {}
+
+
+def actor_class(name: str):
+    """The Ray actor class `name` ("VerifierActor" | "DrafterActor" | "CoordinatorActor"), made once."""
+    if name not in _ACTORS:
+        _ACTORS[name] = import_ray().remote(num_cpus=0, max_concurrency=1000)(_SERVERS[name])
+    return _ACTORS[name]
+
+
+def __getattr__(name: str):
+    if name in _SERVERS:
+        return actor_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------------ placement
@@ -247,6 +273,8 @@ def placement_options(kind: str, node_id: Optional[str] = None, num_gpus: float 
     if num_gpus:
         options["num_gpus"] = num_gpus
     if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     if name:
         options["name"] = name
@@ -276,14 +304,22 @@ class Deployment:
 
     def nodes(self, timeout: float = 60) -> Dict[str, List[str]]:
         """Node id of every actor: {"verifier": [...], "drafter": [...], "coordinator": [...]}."""
+        ray = import_ray()
         return {
             "verifier": [ray.get(self.verifier.node_id.remote(), timeout=timeout)],
             "drafter": ray.get([a.node_id.remote() for a in self.drafters], timeout=timeout),
             "coordinator": ray.get([a.node_id.remote() for a in self.coordinators], timeout=timeout),
         }
 
+    def set_link(self, link, timeout: float = 60) -> None:
+        """Change every coordinator's emulated link (a LinkModel) for the sessions started from now on."""
+        ray = import_ray()
+        ray.get([c.set_link.remote(rtt_ms=link.rtt_ms, jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps,
+                                   link_seed=link.seed) for c in self.coordinators], timeout=timeout)
+
     def shutdown(self, timeout: float = 30) -> None:
         """Stop every server gracefully, then kill the actors."""
+        ray = import_ray()
         for actor in self.actors():
             try:
                 ray.get(actor.stop.remote(), timeout=timeout)
@@ -318,37 +354,46 @@ def deploy(
     num_threads: int = 0,
     device_map: Optional[str] = None,
     steering_head: Optional[str] = None,
+    verifier_options: Optional[Dict[str, object]] = None,
+    drafter_options: Optional[Dict[str, object]] = None,
+    one_coordinator: bool = False,
     detached: bool = False,
     timeout: float = 300,
 ) -> Deployment:
     """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
 
-    Each coordinator is pinned (hard node affinity) to the node its drafter landed on. Ray must be
-    initialised (``ray.init(address=...)``). Returns once every server answers with its address.
+    Each coordinator is pinned (hard node affinity) to the node its drafter landed on; `drafters=0`
+    places one coordinator with no drafter (autoregressive sessions only); `one_coordinator` places
+    one coordinator, next to the first drafter, that places sessions on all of them (as `LocalCluster`). Ray must be initialised
+    (`coordinator.launch.init_ray`). Returns once every server answers with its address.
     """
+    ray = import_ray()
     name = (lambda base: base) if detached else (lambda base: None)
     common = dict(dtype=dtype, device=device, host=host, trace_file=trace_file, num_threads=num_threads,
                   redis_url=redis_url)  # with Redis every replica registers itself (TTL heartbeats)
-    v_actor = VerifierActor.options(**placement_options("verifier", num_gpus=verifier_gpus,
-                                                        name=name("steerspec-verifier-0"), detached=detached)
-                                    ).remote(model=verifier, port=verifier_port, device_map=device_map,
-                                             steering_head=steering_head, **common)
-    d_actors = [DrafterActor.options(**placement_options("drafter", num_gpus=drafter_gpus,
-                                                         name=name(f"steerspec-drafter-{i}"), detached=detached)
-                                     ).remote(model=drafter, **common)
-                for i in range(drafters)]
+    v_actor = actor_class("VerifierActor").options(
+        **placement_options("verifier", num_gpus=verifier_gpus, name=name("steerspec-verifier-0"), detached=detached)
+    ).remote(model=verifier, port=verifier_port, device_map=device_map, steering_head=steering_head,
+             options=verifier_options, **common)
+    d_actors = [actor_class("DrafterActor").options(
+        **placement_options("drafter", num_gpus=drafter_gpus, name=name(f"steerspec-drafter-{i}"), detached=detached)
+    ).remote(model=drafter, options=drafter_options, **common) for i in range(drafters)]
     deployment = Deployment(verifier=v_actor, verifier_target="", drafters=d_actors)
     try:
         deployment.verifier_target = ray.get(v_actor.start.remote(), timeout=timeout)
         deployment.drafter_targets = ray.get([a.start.remote() for a in d_actors], timeout=timeout)
         drafter_nodes = ray.get([a.node_id.remote() for a in d_actors], timeout=timeout)
-        for i, (d_target, node) in enumerate(zip(deployment.drafter_targets, drafter_nodes)):
+        if one_coordinator:
+            pairs = [(list(deployment.drafter_targets), drafter_nodes[0] if drafter_nodes else None)]
+        else:
+            pairs = [([t], node) for t, node in zip(deployment.drafter_targets, drafter_nodes)] or [([], None)]
+        for i, (d_targets, node) in enumerate(pairs):
             port = coordinator_port + i if coordinator_port else 0
             m_port = metrics_port + i if metrics_port else metrics_port
-            c_actor = CoordinatorActor.options(
+            c_actor = actor_class("CoordinatorActor").options(
                 **placement_options("coordinator", node_id=node, name=name(f"steerspec-coordinator-{i}"),
                                     detached=detached)
-            ).remote(verifiers=[deployment.verifier_target], drafters=[d_target],
+            ).remote(verifiers=[deployment.verifier_target], drafters=d_targets,
                      tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
                      bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
                      redis_url=redis_url, trace_file=trace_file, metrics_port=m_port)
@@ -362,17 +407,9 @@ def deploy(
 
 
 def deploy_local(address: Optional[str] = None, **kwargs) -> Deployment:
-    """`deploy` on the Ray cluster at `address` (connects when Ray is not initialised yet).
-
-    Without an address it starts a one-node local Ray on loopback that has both custom resources.
-    """
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(num_cpus=2, resources={EDGE: 1 + int(kwargs.get("drafters", 1)), VERIFIER: 1},
-                     include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     _node_ip_address="127.0.0.1")
+    """`deploy` on the Ray at `address`, or on a one-node loopback Ray with both custom resources
+    (`coordinator.launch.init_ray`) when Ray is not initialised yet."""
+    init_ray(address, edge=1 + max(1, int(kwargs.get("drafters", 1))))
     return deploy(**kwargs)
 
 
@@ -397,14 +434,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--drafter-gpus", type=float, default=0)
     parser.add_argument("--device-map", default=None, help="shard the verifier (e.g. auto) over the node's GPUs")
     parser.add_argument("--steering-head", default=None, help="SD² checkpoint directory for the verifier")
-    parser.add_argument("--rtt-ms", type=float, default=0.0)
+    add_link_arguments(parser)
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
     args = parser.parse_args(argv)
+    link = link_from_args(args)
     deployment = deploy_local(
         address=args.address, verifier=args.verifier, drafter=args.drafter, drafters=args.drafters,
         host=args.host, coordinator_port=args.coordinator_port, verifier_port=args.verifier_port,
         metrics_port=args.metrics_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
-        dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=args.rtt_ms,
+        dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
+        jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
         device_map=args.device_map, steering_head=args.steering_head, detached=args.detached)
     print(f"verifier    {deployment.verifier_target}", flush=True)
     for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):

@@ -23,7 +23,7 @@ from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer
-from coordinator.store import InProcessStore, Store, keep_registered
+from steerspec.store import InProcessStore, Store, keep_registered
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -70,7 +70,8 @@ class Coordinator:
     def __init__(self, store: Optional[Store] = None, verifiers: Iterable[str] = (), drafters: Iterable[str] = (),
                  link: LinkModel = NO_LINK, tokenizer=None, eos_ids: Sequence[int] = (), metrics=None,
                  tracer=None, heartbeat_ttl_s: float = 5.0, defaults: Optional[Dict[str, object]] = None,
-                 max_length: Optional[int] = None) -> None:
+                 max_length: Optional[int] = None, allow_lossy: bool = False) -> None:
+        self.allow_lossy = bool(allow_lossy)  # serve lossy verification modes (SPRINTER) only when asked
         self.store = store if store is not None else InProcessStore()
         drafters = list(drafters)
         self.static = [("verifier", a) for a in verifiers] + [("drafter", a) for a in drafters]
@@ -123,6 +124,7 @@ class Coordinator:
             prompt_ids = list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
         else:
             prompt_ids = list(request.prompt_ids)
+        check_verification(request.verification, self.allow_lossy)
         d = self.defaults
         s = request.sampling if request.HasField("sampling") else None
         sampling = SamplingParams(temperature=float(s.temperature) if s else 0.0, top_k=int(s.top_k) if s else 0,
@@ -172,6 +174,27 @@ class Coordinator:
             self.config.metrics.observe_generation(result.stop_reason)
         result.text = text.text
         yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
+
+
+def check_verification(spec: str, allow_lossy: bool) -> None:
+    """GenerateRequest.verification: exact passes; a bad spec is INVALID_ARGUMENT; a lossy mode is
+    FAILED_PRECONDITION unless this coordinator allows lossy output."""
+    from steerspec.sprinter.spec import VerificationError, parse_verification
+
+    try:
+        verification = parse_verification(spec)
+    except VerificationError as exc:
+        raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    if not verification.lossy:
+        return
+    if not allow_lossy:
+        raise SessionError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"verification '{spec}' is lossy (its output is not the verifier's distribution) and "
+                           "this coordinator serves exact decoding only: start it with `steerspec serve "
+                           "coordinator --allow-lossy` to accept lossy requests, or send verification 'exact'")
+    raise SessionError(grpc.StatusCode.UNIMPLEMENTED,
+                       "sprinter verification runs in-process only so far (`steerspec run --transport inproc "
+                       "--verification sprinter`); the services do not carry it yet")
 
 
 def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:

@@ -23,6 +23,7 @@ from torch import Tensor
 from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
+from steerspec.models.loading import kv_bytes_per_token
 from steerspec.policies import BlockFeedback, PolicyError, make_policy
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
@@ -205,8 +206,6 @@ class DrafterSessionTable:
         self.max_sessions = int(max_sessions)
         self.sessions: Dict[str, DrafterSession] = {}
         self.blocks_total = 0
-        from verifier_service.sessions import kv_bytes_per_token
-
         self.bytes_per_token = kv_bytes_per_token(model)
 
     def __len__(self) -> int:

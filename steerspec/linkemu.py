@@ -18,6 +18,7 @@ returned, and that is what the coordinator reports as `network_ms`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import random
@@ -68,6 +69,24 @@ class LinkModel:
 
 
 NO_LINK = LinkModel()
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """--rtt-ms, --jitter-ms, --bandwidth-mbps, --link-seed: the emulated coordinator↔verifier link."""
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="emulated coordinator↔verifier round trip in ms (default: 0, no delay)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="emulated RTT jitter (uniform, ± half each way)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=0.0,
+                        help="emulated link bandwidth; adds size/bandwidth per message (0 = unlimited)")
+    parser.add_argument("--link-seed", type=int, default=0, help="seed of the emulated jitter")
+
+
+def link_from_args(args: argparse.Namespace) -> LinkModel:
+    """The checked LinkModel of `add_link_arguments`' flags (absent flags: no delay)."""
+    return LinkModel(rtt_ms=float(getattr(args, "rtt_ms", 0.0) or 0.0),
+                     jitter_ms=float(getattr(args, "jitter_ms", 0.0) or 0.0),
+                     bandwidth_mbps=float(getattr(args, "bandwidth_mbps", 0.0) or 0.0),
+                     seed=int(getattr(args, "link_seed", 0) or 0)).validate()
 
 
 class Link:

@@ -22,8 +22,9 @@ import math
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
-from coordinator.store import Store, connect_redis, keep_registered
+from steerspec.store import Store, connect_redis, keep_registered
 from steerspec.errors import UsageError
+from steerspec.targets import parse_targets
 
 if TYPE_CHECKING:
     from steerspec.grpc_common import RunningServer
@@ -48,8 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """UsageError for a bad --heartbeat-ttl-s or --advertise (checked before any model loads)."""
-    from coordinator.cli import parse_targets
-
     ttl = args.heartbeat_ttl_s
     if not (ttl > 0 and math.isfinite(ttl)):
         raise UsageError(f"--heartbeat-ttl-s must be a positive number of seconds, got {ttl}")

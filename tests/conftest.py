@@ -146,4 +146,29 @@ def loaded_pair(model_pair):
     verifier_dir, drafter_dir = model_pair
     return load_model(verifier_dir), load_model(drafter_dir), load_tokenizer(verifier_dir)
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One two-node Ray on loopback for the whole test session, started by the first test that asks for it.
+
+    Head node {"edge": 2, CPU 1} (drafters and coordinators), second node {"verifier": 1, CPU 1}; the
+    driver connects through `coordinator.launch.init_ray`, so the project's deployments find Ray
+    already up and share it instead of each starting (and paying for) their own.
+    """
+    from coordinator.launch import import_ray, init_ray
+
+    ray = import_ray()
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"edge": 2}, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
+    try:
+        cluster.add_node(num_cpus=1, resources={"verifier": 1}, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        init_ray(cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 pytest_plugins = ["conftest_redis"]

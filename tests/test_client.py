@@ -12,7 +12,7 @@ from coord_helpers import greedy_reference
 from coordinator.client import Chunk, Client, ResumeMismatch, Summary, _Dedup
 from coordinator.local import LocalCluster
 from coordinator.server import Coordinator, serve
-from coordinator.store import RedisStore
+from steerspec.store import RedisStore
 from steerspec.linkemu import LinkModel
 from steerspec.v1 import coordinator_pb2
 

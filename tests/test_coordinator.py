@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import grpc
@@ -9,9 +10,9 @@ import pytest
 
 from coord_helpers import greedy_reference
 from coordinator.local import LocalCluster
-from coordinator.store import RedisStore
 from steerspec.errors import UsageError
 from steerspec.linkemu import LinkModel
+from steerspec.store import RedisStore
 from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPT = [5, 17, 42, 9]
@@ -257,30 +258,50 @@ async def test_redis_checkpoints_and_resume(tiny_pair, redis_url):
         assert (await store.get_session("sess-b")).token_ids == want
 
 
-def test_steerspec_run_grpc_transport_over_local_ray(tiny_pair, capsys):
-    """`steerspec run --transport grpc` (a fresh process: local Ray on loopback with drafter, verifier
-    and coordinator actors) prints the same tokens as `--transport inproc`, plus the round-trip fields."""
-    import json
-    import subprocess
-    import sys
-
-    from coord_helpers import ROOT, service_env
+def _run_json(capsys, argv) -> dict:
     from steerspec.cli import main
 
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_steerspec_run_local_deployment_streams_the_engine_tokens(tiny_pair, capsys):
+    """`steerspec run` (default: --transport grpc --deployment local, three gRPC servers on loopback in
+    this process) prints the same tokens as `--transport inproc`, plus the round-trip fields."""
     verifier, drafter = tiny_pair
     argv = ["run", "def fibonacci(n):", "--verifier", str(verifier), "--drafter", str(drafter),
             "--max-new-tokens", "12", "--k", "4", "--json"]
-    env = dict(service_env(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    proc = subprocess.run([sys.executable, "-m", "steerspec", *argv, "--transport", "grpc"], cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    remote = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert main([*argv, "--transport", "inproc"]) == 0
-    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert remote["transport"] == "grpc" and local["transport"] == "inproc"
+    remote = _run_json(capsys, argv)
+    local = _run_json(capsys, [*argv, "--transport", "inproc"])
+    assert remote["transport"] == "grpc" and remote["deployment"] == "local" and local["transport"] == "inproc"
     assert remote["token_ids"] == local["token_ids"] and remote["rounds"] == local["rounds"]
     assert remote["rtt_ms"] > 0 and remote["bytes_up"] > 0 and remote["bytes_down"] > 0
     assert set(remote["stage_ms"]) == {"draft", "network", "queue", "verify", "overhead"}
+    auto = _run_json(capsys, [*argv, "--mode", "autoregressive"])
+    assert auto["token_ids"] == local["token_ids"] and auto["rounds"] == 12
+
+
+def test_steerspec_run_emulates_the_link(tiny_pair, capsys):
+    """--rtt-ms 50 puts about 50 ms of network in every block (`stage_ms.network`), tokens unchanged."""
+    verifier, drafter = tiny_pair
+    argv = ["run", "def fibonacci(n):", "--verifier", str(verifier), "--drafter", str(drafter),
+            "--max-new-tokens", "8", "--k", "4", "--json"]
+    plain = _run_json(capsys, argv)
+    linked = _run_json(capsys, [*argv, "--rtt-ms", "50", "--jitter-ms", "4", "--bandwidth-mbps", "100"])
+    assert linked["token_ids"] == plain["token_ids"]
+    assert 49.0 <= linked["stage_ms"]["network"] <= 80.0 and plain["stage_ms"]["network"] < 20.0
+    assert linked["link"] == {"rtt_ms": 50.0, "jitter_ms": 4.0, "bandwidth_mbps": 100.0, "seed": 0}
+
+
+def test_steerspec_run_ray_deployment(ray_cluster, tiny_pair, capsys):
+    """--deployment ray (actors on the session's loopback Ray) streams the same tokens as the local one."""
+    verifier, drafter = tiny_pair
+    argv = ["run", "def fibonacci(n):", "--verifier", str(verifier), "--drafter", str(drafter),
+            "--max-new-tokens", "12", "--k", "4", "--json"]
+    on_ray = _run_json(capsys, [*argv, "--deployment", "ray", "--rtt-ms", "10"])
+    local = _run_json(capsys, argv)
+    assert on_ray["deployment"] == "ray" and on_ray["token_ids"] == local["token_ids"]
+    assert on_ray["rounds"] == local["rounds"] and on_ray["stage_ms"]["network"] >= 9.0
 
 
 async def test_block_spans_and_metrics(tiny_pair):

@@ -1,40 +1,22 @@
-"""A real two-node Ray cluster on loopback: actors land on the right nodes and generation works.
+"""A real two-node Ray cluster on loopback (the session's `ray_cluster` fixture): actors land on the
+right nodes and generation works.
 
-Head raylet: {"edge": 1, CPU 1} (drafter + coordinator); second raylet: {"verifier": 1, CPU 1}.
-`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (set before ray is imported) makes Ray bind 127.0.0.1;
-the cluster is always shut down.
+Head raylet: {"edge": 2, CPU 1} (drafter + coordinator); second raylet: {"verifier": 1, CPU 1}.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before importing ray: loopback only
-
-import pytest  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def two_node_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"edge": 1}, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1"})
-    try:
-        cluster.add_node(num_cpus=1, resources={"verifier": 1}, node_ip_address="127.0.0.1")
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def _node_with(resource: str) -> str:
+    import ray
+
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource, 0) > 0]
     assert len(nodes) == 1, nodes
     assert nodes[0]["NodeManagerAddress"] == "127.0.0.1"
@@ -53,7 +35,7 @@ def _registry(redis_url: str) -> dict:
     """{kind: {address: meta}} of the live entries in the Redis endpoint registry."""
     import asyncio
 
-    from coordinator.store import connect_redis
+    from steerspec.store import connect_redis
 
     async def read():
         store = await connect_redis(redis_url)
@@ -64,7 +46,9 @@ def _registry(redis_url: str) -> dict:
     return asyncio.run(read())
 
 
-def test_actors_land_on_their_nodes_and_generate(two_node_cluster, tiny_pair, tmp_path, request):
+def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_path, request):
+    import ray
+
     from coordinator.cli import eos_ids_of
     from coordinator.client import Client
     from coordinator.ray_app import deploy

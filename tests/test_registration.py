@@ -14,7 +14,7 @@ import pytest
 
 from coord_helpers import greedy_reference, kill, load_cached, spawn_service, wait_ready
 from coordinator.server import Coordinator, serve as serve_coordinator
-from coordinator.store import RedisStore
+from steerspec.store import RedisStore
 from service_helpers import open_verifier, wait_for_stats as poll  # polls any async getter
 from steerspec.cli import main
 from steerspec.registration import advertised_address, announce

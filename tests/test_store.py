@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from coordinator.store import InProcessStore, RedisStore, keep_registered
+from steerspec.store import InProcessStore, RedisStore, keep_registered
 
 
 @pytest.fixture(params=["inproc", "redis"])
@@ -138,7 +138,7 @@ async def test_pinned_drafters_keep_a_coordinator_on_its_own_edge_while_one_is_l
 async def test_inprocess_sessions_expire_like_redis_and_writers_are_dropped():
     """The embedded store stays bounded in a long-lived coordinator: a record lives SESSION_TTL_S
     past its last write (as the Redis keys do), and a finished checkpoint writer is not kept."""
-    from coordinator.store import SESSION_TTL_S
+    from steerspec.store import SESSION_TTL_S
 
     now = [0.0]
     store = InProcessStore(clock=lambda: now[0])

@@ -16,19 +16,10 @@ import torch
 
 from steerspec.batching import free_cache
 from steerspec.models.kv import CachedLM
+from steerspec.models.loading import kv_bytes_per_token
 from steerspec.sampling import SamplingParams
 from steerspec.wire import ProtocolError
 from verifier_service import fast_verify
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    cfg = model.config
-    layers = int(cfg.num_hidden_layers)
-    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    itemsize = next(model.parameters()).element_size()
-    return 2 * layers * heads * head_dim * itemsize
 
 
 @dataclass

@@ -205,71 +205,40 @@ class RunRecord:
 
 
 class RayCluster:
-    """Verifier and drafter actors (loaded once) plus one coordinator actor per link setting.
+    """The ray deployment of `coordinator.launch` (verifier, drafters and a coordinator as Ray actors, models
+    loaded once), re-linked per RTT.
 
     Same `generate` interface as LocalCluster; per-block stages come from the coordinator's JSONL
     trace (its `steerspec.block` spans, matched by the summary's trace id).
     """
 
     def __init__(self, args, workdir: str) -> None:
+        from coordinator.launch import Services, launch
+
         self.args = args
-        self.workdir = workdir
-        self.verifier = self.coordinator = None
-        self.drafters: List[Any] = []
-        self.trace_file = ""
+        self.trace_file = os.path.join(workdir, "coordinator.jsonl")
+        gpus = 1 if args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
+        options = {} if args.batch_window_ms is None else {"batch_window_ms": args.batch_window_ms}
+        services = Services(verifier=str(args.verifier_dir), drafter=str(args.drafter_dir), drafters=args.drafters,
+                            dtype=args.dtype, device="cuda" if gpus else "cpu", tokenizer=str(args.verifier_dir),
+                            num_threads=args.threads if args.threads > 0 else None, trace_file=self.trace_file,
+                            verifier_options=options)
+        self.deployment = launch(services, "ray", verifier_gpus=gpus, drafter_gpus=gpus, timeout=600)
         self.client = None
 
-    def start(self) -> None:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        import ray
+    async def start(self) -> None:
+        await self.deployment.start()
 
-        from coordinator.ray_app import DrafterActor, VerifierActor, placement_options
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), resources={"edge": 1 + self.args.drafters, "verifier": 1},
-                     include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     _node_ip_address="127.0.0.1")
-        threads = self.args.threads if self.args.threads > 0 else 0
-        options = {} if self.args.batch_window_ms is None else {"batch_window_ms": self.args.batch_window_ms}
-        gpus = 1 if self.args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
-        where = {"dtype": self.args.dtype, "device": "cuda" if gpus else "cpu"}
-        self.verifier = VerifierActor.options(**placement_options("verifier", num_gpus=gpus)).remote(
-            model=str(self.args.verifier_dir), num_threads=threads, options=options, **where)
-        self.drafters = [DrafterActor.options(**placement_options("drafter", num_gpus=gpus)).remote(
-            model=str(self.args.drafter_dir), num_threads=threads, **where) for _ in range(self.args.drafters)]
-        self.verifier_target = ray.get(self.verifier.start.remote(), timeout=600)
-        self.drafter_targets = ray.get([d.start.remote() for d in self.drafters], timeout=600)
-        self.drafter_node = ray.get(self.drafters[0].node_id.remote())
-
-    def link(self, rtt_ms: float) -> "RayCluster":
-        import ray
-
-        from coordinator.ray_app import CoordinatorActor, placement_options
-
-        self.trace_file = os.path.join(self.workdir, f"coordinator-rtt{rtt_ms:g}.jsonl")
-        self.coordinator = CoordinatorActor.options(**placement_options("coordinator", node_id=self.drafter_node)
-                                                    ).remote(verifiers=[self.verifier_target],
-                                                             drafters=self.drafter_targets,
-                                                             tokenizer=str(self.args.verifier_dir), rtt_ms=rtt_ms,
-                                                             jitter_ms=self.args.jitter_ms,
-                                                             bandwidth_mbps=self.args.bandwidth_mbps,
-                                                             link_seed=self.args.seed, trace_file=self.trace_file)
-        self.target = ray.get(self.coordinator.start.remote(), timeout=300)
+    def link(self, link) -> "RayCluster":
+        self.deployment.set_link(link)
         return self
 
     async def __aenter__(self) -> "RayCluster":
-        from coordinator.client import Client
-
-        self.client = Client(self.target, retries=0)
+        self.client = self.deployment.client(retries=0)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        import ray
-
         await self.client.aclose()
-        ray.get(self.coordinator.stop.remote(), timeout=60)
-        ray.kill(self.coordinator)
-        self.coordinator = None
 
     def _blocks(self, trace_id: str) -> List[BlockRecord]:
         out = []
@@ -291,18 +260,8 @@ class RayCluster:
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
                          wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
 
-    def shutdown(self) -> None:
-        import ray
-
-        for actor in (self.coordinator, *self.drafters, self.verifier):
-            if actor is None:
-                continue
-            try:
-                ray.get(actor.stop.remote(), timeout=30)
-            except Exception:
-                pass
-            ray.kill(actor)
-        ray.shutdown()
+    async def shutdown(self) -> None:
+        await self.deployment.stop()
 
 
 async def _sequential(cluster, prompts, args, mode: str) -> List[Any]:
@@ -344,20 +303,20 @@ async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dic
         import tempfile
 
         ray_cluster = RayCluster(args, tempfile.mkdtemp(prefix="steerspec-bench-"))
-        ray_cluster.start()
+        await ray_cluster.start()
     try:
         for rtt in args.rtt_list:
             link = LinkModel(rtt_ms=rtt, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps,
                              seed=args.seed).validate()
             if ray_cluster is not None:
-                cluster_cm = ray_cluster.link(rtt)
+                cluster_cm = ray_cluster.link(link)
             else:
                 cluster_cm = LocalCluster(verifier, drafter, drafters=args.drafters, link=link,
                                           tokenizer=tokenizer_name, eos_ids=eos, verifier_options=verifier_options)
             rows.append(await _measure_rtt(cluster_cm, rtt, args, prompts, engine))
     finally:
         if ray_cluster is not None:
-            ray_cluster.shutdown()
+            await ray_cluster.shutdown()
     return {"rows": rows, "engine": engine}
 
 

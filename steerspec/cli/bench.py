@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|sd2|hop|overlap|step`: benchmarks that print a table and write JSON."""
+"""`steerspec bench engine|remote|sd2|hop|overlap|step|sprinter`: benchmarks that print a table and write JSON."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -7,6 +7,7 @@ COMMANDS = (
     ("remote", "steerspec.bench.remote", "distributed path over an emulated remote link"),
     ("sd2", "steerspec.bench.sd2", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
     ("hop", "steerspec.bench.hop", "one gRPC hop after idle under grpc's two TCP transports"),
+    ("sprinter", "steerspec.bench.sprinter", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),
     ("overlap", "steerspec.bench.overlap", "teacher-forced draft acceptance Σ min(p, q) per drafter and q truncation"),
     ("step", "steerspec.bench.step", "per-step latencies (drafter step, k+1 extend, draft/verify block) vs an HF floor"),
 )

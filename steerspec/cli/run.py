@@ -1,7 +1,11 @@
 """`steerspec run PROMPT`: generate with speculative decoding (or the verifier alone).
 
 Defaults: the bundled verifier and pretrained drafter, greedy decoding (--temperature 0, so
-`make run` prints the same text every time), k = 8, 64 new tokens, the distributed gRPC path on a local loopback Ray (--transport inproc: in-process).
+`make run` prints the same text every time), k = 8, 64 new tokens, the distributed gRPC path: the
+verifier, drafter and coordinator services as gRPC servers on loopback in this process
+(--deployment local) or as Ray actors on a local loopback Ray (--deployment ray); --rtt-ms,
+--jitter-ms and --bandwidth-mbps emulate the coordinator↔verifier link (--transport inproc: both
+models in this process, no services).
 Prints the generated text, then one summary line (block efficiency, acceptance rate, tokens/s);
 with --json, one JSON object instead.
 """
@@ -16,11 +20,14 @@ import sys
 from typing import List, Tuple
 
 from steerspec.errors import UsageError
+from steerspec.linkemu import add_link_arguments, link_from_args
 from steerspec.sampling import MAX_DRAFT_TOP_K, SamplingParams
 
 MODES = ("speculative", "autoregressive")
 TRANSPORTS = ("inproc", "grpc")
 DEFAULT_TRANSPORT = "grpc"
+DEPLOYMENTS = ("local", "ray")
+DEFAULT_DEPLOYMENT = "local"
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +71,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
                         help=f"inproc: both models in this process; grpc: drafter and verifier services "
                              f"(default: {DEFAULT_TRANSPORT})")
+    parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, choices=DEPLOYMENTS,
+                        help="grpc transport: local = the three services as gRPC servers on loopback in this "
+                             "process; ray = Ray actors on a local loopback Ray (default: local)")
+    add_link_arguments(parser)
     parser.add_argument("--trace-file", default=None,
                         help="write OpenTelemetry spans of every service as JSONL here (grpc transport; "
                              "OTEL_EXPORTER_OTLP_ENDPOINT, when set, exports over OTLP instead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_verification_arguments(parser)
+
+
+def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
+    """--verification and --sprinter-head (shared with benchmarks)."""
+    parser.add_argument("--verification", default="exact", metavar="SPEC",
+                        help="exact (default, lossless) or sprinter[:threshold=T,max_run=N]: LOSSY, tokens the "
+                             "drafter-side classifier keeps are committed without the verifier")
+    parser.add_argument("--sprinter-head", default=None, metavar="DIR",
+                        help="SPRINTER classifier head directory (default: DRAFTER/sprinter)")
 
 
 def register(subparsers) -> None:
@@ -89,12 +110,17 @@ def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
         raise UsageError(f"--draft-top-k must be in [0, {MAX_DRAFT_TOP_K}] (0 = full vocabulary), got {args.draft_top_k}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    link = link_from_args(args)
+    if getattr(args, "transport", None) == "inproc" and (link.enabled or link.jitter_ms):
+        raise UsageError("--rtt-ms, --jitter-ms and --bandwidth-mbps emulate the link between the services: "
+                         "use them with --transport grpc")
     return params
 
 
 def load_pair(args: argparse.Namespace, need_drafter: bool = True):
     """(verifier, drafter or None, tokenizer) from --verifier/--drafter/--dtype/--device."""
     from steerspec.models import load_model, load_tokenizer
+    from steerspec.models.loading import apply_threads
 
     verifier = load_model(args.verifier, dtype=args.dtype, device=args.device)
     apply_threads(getattr(args, "threads", 0), verifier)
@@ -104,24 +130,6 @@ def load_pair(args: argparse.Namespace, need_drafter: bool = True):
         drafter = load_model(args.drafter, dtype=args.dtype, device=args.device)
         check_same_vocabulary(args.verifier, args.drafter, tokenizer)
     return verifier, drafter, tokenizer
-
-
-SMALL_MODEL_PARAMS = 100_000_000
-
-
-def apply_threads(threads: int, verifier) -> int:
-    """Set torch's intra-op threads (0 = auto, see --threads); returns the count in use."""
-    import torch
-
-    from steerspec.models import parameter_count
-
-    if threads < 0:
-        raise UsageError(f"--threads must be >= 0 (0 = auto), got {threads}")
-    if threads == 0 and verifier.device.type == "cpu" and parameter_count(verifier) < SMALL_MODEL_PARAMS:
-        threads = 1
-    if threads:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 def check_same_vocabulary(verifier_dir, drafter_dir, tokenizer) -> None:
@@ -164,10 +172,10 @@ def decode_config(args: argparse.Namespace, params: SamplingParams, verifier, dr
 
 
 def _grpc_runner():
-    """coordinator.local.run_distributed when the distributed path is installed, else None."""
-    if importlib.util.find_spec("coordinator") is None or importlib.util.find_spec("coordinator.local") is None:
+    """coordinator.launch.run_distributed when the distributed path is installed, else None."""
+    if importlib.util.find_spec("coordinator") is None or importlib.util.find_spec("coordinator.launch") is None:
         return None
-    return getattr(importlib.import_module("coordinator.local"), "run_distributed", None)
+    return getattr(importlib.import_module("coordinator.launch"), "run_distributed", None)
 
 
 def generate(args: argparse.Namespace) -> Tuple[object, object]:
@@ -178,10 +186,17 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     if not args.prompt:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
+    verification = parse_verification_arg(args)
     speculative = args.mode == "speculative"
+    if verification.lossy:
+        link = link_from_args(args)
+        if link.enabled or link.jitter_ms:
+            raise UsageError("--rtt-ms, --jitter-ms and --bandwidth-mbps emulate the link between the services; "
+                             "--verification sprinter runs in-process")
+        return _generate_sprinter(args, params, verification)
     runner = _grpc_runner() if args.transport == "grpc" else None
     if args.transport == "grpc" and runner is None:
-        sys.stderr.write("steerspec: note: the grpc transport (coordinator.local) is not installed; "
+        sys.stderr.write("steerspec: note: the grpc transport (coordinator.launch) is not installed; "
                          "running in-process\n")
     if runner is not None:
         # the services load the weights; here only the tokenizer and the context limit are needed
@@ -217,6 +232,42 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
+def parse_verification_arg(args: argparse.Namespace):
+    """The --verification spec, checked before anything loads (one-line UsageError)."""
+    from steerspec.sprinter.spec import VerificationError, parse_verification
+
+    try:
+        verification = parse_verification(getattr(args, "verification", "exact"))
+    except VerificationError as exc:
+        raise UsageError(f"--verification: {exc}") from None
+    if verification.lossy and args.mode != "speculative":
+        raise UsageError("--verification sprinter needs --mode speculative (it verifies a drafter's tokens)")
+    return verification
+
+
+def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verification):
+    """SPRINTER (lossy) in this process: the head must exist for the drafter before models load."""
+    from steerspec.models import resolve_model_dir
+    from steerspec.models.kv import cached_lm
+    from steerspec.sprinter.decoding import sprinter_generate
+    from steerspec.sprinter.head import resolve_head
+    from steerspec.steering.runtime import maybe_steering
+
+    if args.transport == "grpc":
+        sys.stderr.write("steerspec: note: --verification sprinter runs in-process (--transport inproc)\n")
+    loaded = resolve_head(resolve_model_dir(args.drafter), args.sprinter_head, device=args.device)
+    verifier, drafter, tokenizer = load_pair(args)
+    config = decode_config(args, params, verifier, drafter, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
+    drafter = cached_lm(drafter)
+    steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)
+    threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
+    result = sprinter_generate(verifier, drafter, prompt_ids, config, loaded.head, threshold=threshold,
+                               max_run=verification.max_run, lam=loaded.lam, steering=steering,
+                               tokenizer=tokenizer)
+    return result, tokenizer
+
+
 def _torch_threads() -> int:
     import torch
 
@@ -232,6 +283,13 @@ def run(args: argparse.Namespace) -> int:
                         "seed": args.seed, "verifier": str(args.verifier),
                         "drafter": str(args.drafter) if args.mode == "speculative" else None,
                         "transport": args.transport, "threads": _torch_threads()})
+        if args.transport == "grpc" and not payload.get("lossy"):
+            link = link_from_args(args)
+            payload.update({"deployment": args.deployment,
+                            "link": {"rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms,
+                                     "bandwidth_mbps": link.bandwidth_mbps, "seed": link.seed}})
+        payload.setdefault("verification", "exact")
+        payload.setdefault("lossy", False)
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
         sys.stdout.write(result.text + "\n")

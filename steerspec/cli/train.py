@@ -1,4 +1,4 @@
-"""`steerspec train base|synth|distill|sd2`: the project's own training pipelines."""
+"""`steerspec train base|synth|distill|sd2|sprinter`: the project's own training pipelines."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -7,6 +7,8 @@ COMMANDS = (
     ("synth", "steerspec.train.synth", "generate verifier answers at T=1 as a training set"),
     ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
     ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
+    ("sprinter", "steerspec.train.sprinter", "train the SPRINTER acceptance classifier for a drafter (lossy mode)"),
+    ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
 )
 
 

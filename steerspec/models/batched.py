@@ -106,4 +106,4 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
     for lm, pos in zip(lms, positions):  # only now: a failed pass leaves every cache as it was
         lm.length = pos + 1
-    return linear(rms_norm(x, *first._final_norm), *first._head)
+    return first.project(rms_norm(x, *first._final_norm))

@@ -170,6 +170,8 @@ class FastCachedLM(CachedLM):
         self._final_norm = (norm.weight, float(norm.variance_epsilon))
         head = self.model.lm_head
         self._head = (head.weight, head.bias)
+        # A head with a `support` (models/reduced.py) scatters its rows' logits into the full vocabulary.
+        self._head_module = head if isinstance(getattr(head, "support", None), torch.Tensor) else None
         self._plans = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -188,6 +190,12 @@ class FastCachedLM(CachedLM):
                 (mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias),
                 (mlp.down_proj.weight, mlp.down_proj.bias),
             ))
+
+    def project(self, normed: Tensor) -> Tensor:
+        """Final-normed hidden states -> full-vocabulary logits."""
+        if self._head_module is not None:
+            return self._head_module(normed)
+        return F.linear(normed, *self._head)
 
     def set_up_bias(self, biases: Optional[Sequence[Optional[Tensor]]]) -> None:
         """SD² steering: add biases[l] ([intermediate]) to the up branch of layer l; None clears."""
@@ -310,7 +318,7 @@ class FastCachedLM(CachedLM):
         self.length = end
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = linear(rms_norm(x, *self._final_norm), *self._head)[0]
+        logits = self.project(rms_norm(x, *self._final_norm))[0]
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
         return StepOutput(logits, hidden)
 

@@ -34,6 +34,12 @@ def resolve_model_dir(name_or_dir: Union[str, Path]) -> Path:
         raise UsageError("empty model name: pass a local checkpoint directory or a bundled name "
                          f"({', '.join(BUNDLED_NAMES)})")
     name = ALIASES.get(text, text)
+    if name == "smollm2" and not Path(text).exists():
+        from steerspec.models import smollm2
+
+        return smollm2.ensure_model_dir()
+    if name.startswith("smollm2-") and not Path(text).exists() and (MODELS_DIR / name / "config.json").is_file():
+        return MODELS_DIR / name
     if name in BUNDLED_NAMES and not Path(text).exists():
         path = MODELS_DIR / name
         if not (path / "config.json").is_file():
@@ -98,6 +104,12 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_model_dir(name_or_dir)
     _check_swiglu(path)
+    from steerspec.models import reduced
+
+    if reduced.is_reduced_dir(path):
+        model = reduced.load_reduced(path, dtype=torch_dtype).to(torch_device).eval()
+        model.requires_grad_(False)
+        return model
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
@@ -136,5 +148,29 @@ def eos_token_ids(model, tokenizer=None) -> tuple:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * heads * head_dim * itemsize
+
+
 def parameter_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+
+
+def apply_threads(threads: int, verifier) -> int:
+    """Set torch's intra-op threads (0 = auto, see --threads); returns the count in use."""
+    if threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = auto), got {threads}")
+    if threads == 0 and verifier.device.type == "cpu" and parameter_count(verifier) < SMALL_MODEL_PARAMS:
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

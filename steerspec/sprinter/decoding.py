@@ -1,0 +1,265 @@
+"""SPRINTER decoding in-process (lossy, opt-in): runs of classifier-kept tokens, one verifier call each.
+
+Per round the drafter proposes token by token exactly as `engine.draft_block` does (same warping,
+draft distribution and generator draws). After each token the head scores it; a token it keeps
+extends the run, and the run ends at the first predicted rejection, at `max_run`, or at the
+token budget. One verifier call then feeds [pending, x_1..x_j] (bringing its cache up to date),
+keeps x_1..x_{j−1} as they are, and checks x_j by the exact rule min(1, p/q) with the residual
+resample (or the bonus token from p when x_j passes) via `speculative.rejection_sample`. With a
+head that keeps nothing, every run has length 1 and the output is exact decoding with k = 1.
+
+The verifier's p over the whole run comes back in that one pass, so each kept token is also
+labelled (q(x)/p(x) ≤ λ; greedy: x is p's argmax) to measure η_TP, η_FP and the run lengths
+r on the run's own tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from steerspec.engine import (DecodeConfig, DrafterSteering, RoundRecord, _check_prompt, _commit,
+                              make_generators, prefill)
+from steerspec.metrics import GenerationResult
+from steerspec.models.kv import CachedLM, as_cached
+from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
+from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
+from steerspec.sprinter import features as F
+from steerspec.sprinter import theory
+from steerspec.sprinter.head import SprinterHead
+from steerspec.sprinter.spec import DEFAULT_MAX_RUN
+
+
+@dataclass
+class SprinterResult(GenerationResult):
+    """A SPRINTER generation: the usual metrics plus what it gave up, always marked lossy."""
+
+    mode: str = "sprinter"
+    threshold: float = 0.5
+    max_run: int = DEFAULT_MAX_RUN
+    lam: float = 1.0
+    run_lengths: List[int] = field(default_factory=list)  # tokens kept before each verifier call
+    run_r: List[int] = field(default_factory=list)  # per run: acceptable tokens before the first unacceptable
+    tp: int = 0
+    fn: int = 0
+    fp: int = 0
+    tn: int = 0
+    tv_pq_sum: float = 0.0  # Σ d_TV(p, q) over the labelled tokens (Theorem 1's factor)
+    labelled: int = 0
+
+    lossy = True
+
+    @property
+    def eta(self) -> tuple:
+        return F.rates(self.tp, self.fn, self.fp, self.tn)
+
+    def theory(self) -> Dict[str, float]:
+        """Measured η's, Theorem 1's TV bound and Theorems 2–3's run length beside the measured one."""
+        eta_tp, eta_fp = self.eta
+        tv_pq = self.tv_pq_sum / self.labelled if self.labelled else 0.0
+        mean_run = sum(self.run_lengths) / len(self.run_lengths) if self.run_lengths else 0.0
+        expected = theory.mean_expected_run_length(eta_tp, eta_fp, self.run_r, self.max_run)
+        return {"eta_tp": round(eta_tp, 6), "eta_fp": round(eta_fp, 6), "tv_pq": round(tv_pq, 6),
+                "tv_bound": round(theory.tv_bound(eta_fp, tv_pq), 6),
+                "mean_run_length": round(mean_run, 6), "expected_run_length": round(expected, 6)}
+
+    def to_json(self) -> Dict[str, object]:
+        payload = super().to_json()
+        payload.update({"verification": "sprinter", "lossy": True, "threshold": self.threshold,
+                        "max_run": self.max_run, "lambda": self.lam, "verifier_calls": self.rounds,
+                        "sprinter": self.theory()})
+        return payload
+
+    def summary(self) -> str:
+        t = self.theory()
+        return (super().summary() + f"\nLOSSY (sprinter threshold={self.threshold:g} max_run={self.max_run}): "
+                f"eta_tp={t['eta_tp']:.3f} eta_fp={t['eta_fp']:.3f} tv_bound={t['tv_bound']:.4f} "
+                f"run_length={t['mean_run_length']:.2f} (theorem 2: {t['expected_run_length']:.2f})")
+
+
+class SprinterScorer:
+    """Scores one drafted token from the drafter's own tensors (the features `features.py` defines)."""
+
+    def __init__(self, head: SprinterHead, drafter: CachedLM) -> None:
+        self.head = head
+        self.layer = drafter.num_layers - 1
+        self.embed = drafter.model.get_input_embeddings().weight
+
+    def __call__(self, hidden, token: torch.Tensor, q_x: torch.Tensor, probs: torch.Tensor) -> float:
+        feats = F.build_features(hidden.float(), self.embed[token].float(), q_x.float(), F.entropy(probs.float()))
+        return float(self.head.prob(feats.to(self.head.fc1.weight.device)).reshape(-1)[0])
+
+
+def draft_run(drafter: CachedLM, committed: Sequence[int], limit: int, config: DecodeConfig,
+              generator: Optional[torch.Generator], scorer: SprinterScorer, threshold: float):
+    """Draft up to `limit` tokens, stopping after the first one the head would not keep.
+
+    Returns (DraftBlock, kept flags per token). Sampling follows engine.draft_block draw for draw.
+    """
+    params = config.sampling
+    feed: object = committed[drafter.length:]
+    tokens, q_rows, kept = [], [], []
+    for _ in range(limit):
+        out = drafter.extend(feed, [scorer.layer], logits_to_keep=1)
+        logits, hidden = out.logits, out.hidden[0, -1:]  # [1, V], [1, D]
+        if params.greedy:
+            token = logits.argmax(-1)
+            probs = logits.float().softmax(-1)
+            q_x = probs.gather(-1, token.view(1, 1)).view(1)  # the head's feature: q at T = 1
+        else:
+            probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+            dist = draft_distribution(probs, config.draft_top_k, config.draft_tail)
+            token = sample_sparse(dist, generator)
+            q_rows.append(dist)
+            q_x = dist.prob_of(token)
+        tokens.append(token)
+        keep = scorer(hidden, token, q_x, probs) >= threshold
+        kept.append(keep)
+        if not keep:
+            break
+        feed = token
+    if tokens:
+        block_tokens = torch.cat(tokens).view(1, -1)
+    else:
+        block_tokens = torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
+    q = SparseDist.stack(q_rows, dim=1) if q_rows else None
+    return DraftBlock(block_tokens, torch.tensor([len(tokens)], device=drafter.device), q), kept
+
+
+def verify_run(verifier: CachedLM, pending: int, block: DraftBlock, config: DecodeConfig,
+               generator: Optional[torch.Generator], hidden_layers: Optional[Sequence[int]] = None):
+    """One verifier call for a run: feed [pending, x_1..x_j], keep x_1..x_{j−1}, check x_j exactly.
+
+    Returns (accepted count in the run, next token, the verifier's probs [j+1, V] (None when greedy),
+    its logits [j+1, V], and the steering hidden states [L, D] or None).
+    """
+    start = verifier.length
+    device = verifier.device
+    run = block.tokens[0].to(device)
+    j = int(run.shape[0])
+    feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), run])
+    out = verifier.extend(feed, hidden_layers)
+    last = max(j - 1, 0)
+    tail_block = DraftBlock(run[last:].view(1, -1), torch.tensor([min(j, 1)], device=device),
+                            None if block.q is None else block.q.map(lambda t: t[:, last:].to(device)))
+    params = config.sampling
+    probs = None
+    if params.greedy:
+        outcome = greedy_verify(out.logits[last:].unsqueeze(0), tail_block)
+    else:
+        probs = probs_from_logits(out.logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
+        outcome = rejection_sample(probs[:, last:], tail_block, generator)
+        probs = probs[0]
+    accepted = last + int(outcome.accepted[0])
+    verifier.rollback(start + 1 + accepted)
+    hidden = out.hidden[:, accepted] if hidden_layers else None
+    return accepted, int(outcome.next_tokens[0]), probs, out.logits, hidden
+
+
+def _label_run(result: SprinterResult, block: DraftBlock, kept: List[bool], probs, logits, vocab: int) -> None:
+    """Label the run's tokens from the verifier's rows and add them to the confusion counts."""
+    j = int(block.tokens.shape[1])
+    if j == 0:
+        return
+    tokens = block.tokens[0].to(logits.device)
+    if probs is None:  # greedy: acceptable means the verifier's argmax
+        label = logits[:j].argmax(-1) == tokens
+        q_dense = torch.nn.functional.one_hot(tokens, vocab).float()
+        p_dense = torch.nn.functional.one_hot(logits[:j].argmax(-1), vocab).float()
+    else:
+        q = block.q.map(lambda t: t[0].to(logits.device))
+        q_x = q.prob_of(tokens)
+        p_x = probs[:j].gather(-1, tokens.view(-1, 1)).squeeze(-1)
+        label = F.acceptable(q_x, p_x.to(q_x.dtype), result.lam)
+        q_dense, p_dense = q.to_dense(vocab).float(), probs[:j].float()
+    predicted = torch.tensor(kept, dtype=torch.bool, device=label.device)
+    tp, fn, fp, tn = F.confusion(predicted, label)
+    result.tp, result.fn, result.fp, result.tn = result.tp + tp, result.fn + fn, result.fp + fp, result.tn + tn
+    result.tv_pq_sum += float(theory.tv_distance(p_dense, q_dense).sum())
+    result.labelled += j
+    bad = (~label).nonzero()
+    result.run_r.append(int(bad[0]) if len(bad) else j)
+
+
+def sprinter_generate(
+    verifier,
+    drafter,
+    prompt_ids: Sequence[int],
+    config: DecodeConfig,
+    head: SprinterHead,
+    threshold: float = 0.5,
+    max_run: int = DEFAULT_MAX_RUN,
+    lam: float = 1.0,
+    steering: Optional[DrafterSteering] = None,
+    tokenizer=None,
+    on_round: Optional[Callable[[RoundRecord], None]] = None,
+) -> SprinterResult:
+    """Generate with SPRINTER (lossy): the verifier is called once per run the head ends."""
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"sprinter threshold must be in (0, 1), got {threshold}")
+    if max_run < 1:
+        raise ValueError(f"sprinter max_run must be >= 1, got {max_run}")
+    verifier, drafter = as_cached(verifier), as_cached(drafter)
+    prompt = _check_prompt(prompt_ids, config)
+    scorer = SprinterScorer(head, drafter)
+    g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
+    layers = list(steering.verifier_layers) if steering is not None else None
+    eos = tuple(config.eos_token_ids)
+    limit = config.max_length
+    result = SprinterResult(token_ids=[], prompt_tokens=len(prompt), threshold=threshold, max_run=max_run, lam=lam)
+
+    t_start = time.perf_counter()
+    hidden = prefill(verifier, prompt, layers)
+    drafter.reset()
+    committed = list(prompt)
+    generated: List[int] = []
+    reason = None
+    while reason is None:
+        n = len(committed)
+        remaining = config.max_new_tokens - len(generated)
+        if remaining <= 0:
+            reason = "length"
+            break
+        room = remaining if limit is None else min(remaining, limit - n)
+        if room <= 0:
+            reason = "context"
+            break
+        if steering is not None:
+            steering.begin_block(hidden)
+        t0 = time.perf_counter()
+        block, kept = draft_run(drafter, committed, max(min(max_run, room - 1), 0), config, g_draft, scorer, threshold)
+        t1 = time.perf_counter()
+        accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config,
+                                                                 g_verify, layers)
+        t2 = time.perf_counter()
+        _label_run(result, block, kept, probs, logits, verifier.vocab_size)
+        drafted = int(block.tokens.shape[1])
+        new_tokens = block.tokens[0, :accepted].tolist() + [next_token]
+        if drafter.length > n + accepted:
+            drafter.rollback(n + accepted)
+        new_tokens, reason = _commit(new_tokens, room, eos)
+        if reason == "length" and room < remaining:
+            reason = "context"
+        committed.extend(new_tokens)
+        generated.extend(new_tokens)
+        result.rounds += 1
+        result.drafted += drafted
+        result.accepted += accepted
+        result.block_drafted.append(drafted)
+        result.block_accepted.append(accepted)
+        result.run_lengths.append(sum(kept))
+        result.draft_s += t1 - t0
+        result.verify_s += t2 - t1
+        if on_round is not None:
+            on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
+    if verifier.device.type == "cuda":
+        torch.cuda.synchronize(verifier.device)
+    result.wall_s = time.perf_counter() - t_start
+    result.token_ids = generated
+    result.stop_reason = reason
+    if tokenizer is not None:
+        result.text = tokenizer.decode(generated, skip_special_tokens=True)
+    return result
