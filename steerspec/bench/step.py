@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # logs (no terminal) keep the columns whole
     console.print(_table(report))
     for entry in report["dtypes"]:
         for path, counts in (entry.get("profile") or {}).items():
