@@ -147,7 +147,13 @@ class RayDeployment:
             **self.placement)
 
     async def start(self) -> None:
-        self.deployment = await asyncio.to_thread(self._deploy)
+        ray = import_ray()
+        try:
+            self.deployment = await asyncio.to_thread(self._deploy)
+        except ray.exceptions.RayTaskError as exc:  # an actor's UsageError (bad model, flag): that one line
+            if isinstance(exc.cause, UsageError):
+                raise UsageError(str(exc.cause)) from None
+            raise
 
     async def stop(self) -> None:
         deployment, self.deployment = self.deployment, None

@@ -20,10 +20,9 @@ from typing import List, Optional, Sequence, Tuple
 from coordinator.loop import SessionLoop, SessionRequest
 from coordinator.results import DistributedResult
 from coordinator.server import Coordinator, serve as serve_coordinator
-from steerspec.store import Store
-from steerspec.errors import UsageError
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams
+from steerspec.store import Store
 
 
 def _load(model, dtype: str, device: str):

@@ -23,9 +23,9 @@ from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer
-from steerspec.store import InProcessStore, Store, keep_registered
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams
+from steerspec.store import InProcessStore, Store, keep_registered
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

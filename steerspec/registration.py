@@ -22,8 +22,8 @@ import math
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
-from steerspec.store import Store, connect_redis, keep_registered
 from steerspec.errors import UsageError
+from steerspec.store import Store, connect_redis, keep_registered
 from steerspec.targets import parse_targets
 
 if TYPE_CHECKING:

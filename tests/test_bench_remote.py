@@ -53,6 +53,24 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     assert "speculative" in table and "autoregressive" in table and "engine" in table
 
 
+@pytest.mark.timeout(300)
+def test_bench_remote_ray_deployment(ray_cluster, tiny_pair, tmp_path):
+    """--deployment ray: the launcher's Ray actors on the session's Ray, re-linked per RTT; per-block stages
+    read back from the coordinator's trace."""
+    verifier, drafter = tiny_pair
+    out = tmp_path / "bench.json"
+    args = _args("--verifier", str(verifier), "--drafter", str(drafter), "--rtt-ms", "0,20", "--prompts", "1",
+                 "--max-new-tokens", "6", "--concurrency", "1", "--threads", "1", "--no-engine",
+                 "--deployment", "ray", "--out", str(out))
+    assert remote.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rtt_ms"] for r in rows] == [0.0, 20.0]
+    for row in rows:
+        assert row["speculative"]["tokens_per_s"] > 0 and row["autoregressive"]["block_efficiency"] == 1.0
+    assert rows[0]["autoregressive"]["stage_ms"]["network"] < 19.0
+    assert rows[1]["autoregressive"]["stage_ms"]["network"] >= 19.0  # set_link reached the coordinator actor
+
+
 @pytest.mark.parametrize("flag,value", [("--rtt-ms", "a,b"), ("--rtt-ms", "-5"), ("--concurrency", "0"),
                                         ("--prompts", "0"), ("--k", "65"), ("--out", "/nonexistent/dir/x.json")])
 def test_bench_remote_bad_flags_are_usage_errors(flag, value):

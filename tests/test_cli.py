@@ -79,6 +79,11 @@ def test_seed_fixes_sampled_output(capsys, pair_args):
     (["run", "x", "--k", "two"], "invalid int"),
     (["run", "x", "--device", "cuda:99", "--transport", "grpc"], "cuda:99"),  # before Ray starts its actors
     (["run", "x", "--device", "tpu", "--transport", "inproc"], "unknown device"),
+    (["run", "x", "--rtt-ms", "50", "--transport", "inproc"], "--transport grpc"),  # no link in-process
+    (["run", "x", "--rtt-ms", "-1"], "--rtt-ms"),
+    (["run", "x", "--rtt-ms", "10", "--jitter-ms", "20"], "--jitter-ms"),
+    (["run", "x", "--bandwidth-mbps", "nan"], "--bandwidth-mbps"),
+    (["run", "x", "--deployment", "k8s"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, pair_args, argv, message):
     code, out, err = run_cli(capsys, argv[:2] + pair_args + argv[2:])
