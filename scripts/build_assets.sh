@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce the bundled tiny model pair and the eval prompt sets from this machine's CPython stdlib.
 # Usage: bash scripts/build_assets.sh [STEP...]   steps: tokenizer evalsets verifier drafter install (default: all)
+#        bash scripts/build_assets.sh smollm2        the reduced drafter for the real verifier `smollm2`
+#        (code corpus -> runs/smollm2/, resumable: rerun to continue; installed as assets/models/smollm2-pretrained)
 # Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
 # The shipped pair was made exactly so (verifier 600 steps, drafter 300 steps, 1 thread each, the two
 # training steps run as two parallel jobs: `build_assets.sh verifier & build_assets.sh drafter`); the
@@ -33,6 +35,11 @@ for step in "${STEPS[@]}"; do
                  --steps "$VERIFIER_STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 --seed 1234 --threads "$THREADS" --resume ;;
     drafter)   $PY -m steerspec train base --role drafter --out $RUNS/pretrained --tokenizer $RUNS/tokenizer \
                  --steps "$DRAFTER_STEPS" --batch-size 16 --seq-len 256 --lr 3e-3 --seed 1234 --threads "$THREADS" --resume ;;
+    smollm2)   $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
+                 --steps "${SMOLLM2_STEPS:-520}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
+               mkdir -p $ASSETS/models/smollm2-pretrained
+               cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,README.md} \
+                 $ASSETS/models/smollm2-pretrained/ ;;
     install)   install_model $RUNS/verifier $ASSETS/models/verifier
                install_model $RUNS/pretrained $ASSETS/models/pretrained ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;

@@ -6,9 +6,9 @@
 # Here, once (see ../shared/gpu/README.md):   bash ../shared/gpu/wheels.sh
 #                                             cp ../shared/gpu/prelude.sh .gpu-prelude.sh
 # Then one device call per part, carrying [".whl", ".gpu-prelude.sh"]:
-#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 1     # tests + bench step (fp32, bf16) + profile
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 1     # cuda tests + bench step fp32, bf16 (+ floors)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 2     # bench engine + bench remote (fp32, bf16)
-#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 3     # optional: fp16, hop breakdown, graphs off
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 3     # profile of 5 blocks, fp16, graphs off, hop, RTT 0
 # $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
 set -uo pipefail
 PART=${1:?usage: gpu_check.sh 1|2|3}
@@ -33,12 +33,12 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, ap
 
 case "$PART" in
 1)
-  step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
+  step tests 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
     tests/test_fastpath.py tests/test_bench_step.py
-  step step 240 $PY -m steerspec bench step --device "$DEV" --dtypes float32,bfloat16 --k 8 --temperature 1 \
-    --iters 100 --warmup 10 --out "$OUT/step.json"
-  step profile 120 $PY -m steerspec bench step --device "$DEV" --dtypes float32,bfloat16 --k 8 --temperature 1 \
-    --iters 5 --floor none --profile 5 --out "$OUT/profile.json"
+  for dtype in float32 bfloat16; do  # one run per dtype: each compiles three floors
+    step "step-$dtype" 160 $PY -m steerspec bench step --device "$DEV" --dtypes "$dtype" --k 8 --temperature 1 \
+      --iters 50 --warmup 10 --out "$OUT/step-$dtype.json"
+  done
   ;;
 2)
   for dtype in float32 bfloat16; do
@@ -52,12 +52,14 @@ case "$PART" in
   done
   ;;
 3)
-  step step-fp16 150 $PY -m steerspec bench step --device "$DEV" --dtypes float16 --k 8 --temperature 1 \
-    --iters 100 --warmup 10 --out "$OUT/step-fp16.json"
-  step step-nographs 120 env STEERSPEC_CUDA_GRAPHS=0 $PY -m steerspec bench step --device "$DEV" --dtypes float32 \
+  step profile 90 $PY -m steerspec bench step --device "$DEV" --dtypes float32,bfloat16 --k 8 --temperature 1 \
+    --iters 5 --floor none --profile 5 --out "$OUT/profile.json"
+  step step-fp16 140 $PY -m steerspec bench step --device "$DEV" --dtypes float16 --k 8 --temperature 1 \
+    --iters 50 --warmup 10 --out "$OUT/step-fp16.json"
+  step step-nographs 90 env STEERSPEC_CUDA_GRAPHS=0 $PY -m steerspec bench step --device "$DEV" --dtypes float32 \
     --floor none --iters 50 --out "$OUT/step-nographs.json"
-  step hop 90 $PY -m steerspec bench hop --out "$OUT/hop.json"
-  step remote-rtt0-breakdown 150 $PY -m steerspec bench remote --device "$DEV" --dtype float32 --deployment local \
+  step hop 80 $PY -m steerspec bench hop --out "$OUT/hop.json"
+  step remote-rtt0-breakdown 120 $PY -m steerspec bench remote --device "$DEV" --dtype float32 --deployment local \
     --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0 --prompts 8 --concurrency 1 --out "$OUT/remote-rtt0.json"
   ;;
 *)

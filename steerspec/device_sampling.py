@@ -24,8 +24,11 @@ Param = Union[float, int, Tensor]
 
 
 def _rows(value: Param, like: Tensor, dtype: torch.dtype) -> Tensor:
-    """A scalar or per-row [B] parameter as a [B, 1] column on like's device."""
-    t = torch.as_tensor(value, dtype=dtype, device=like.device)
+    """A scalar or per-row [B] parameter as a [B, 1] column on like's device. A Python scalar
+    becomes a fill kernel (no host→device copy, which would wait for the stream)."""
+    if not isinstance(value, Tensor):
+        return torch.full((like.shape[0], 1), value, dtype=dtype, device=like.device)
+    t = value.to(device=like.device, dtype=dtype, non_blocking=True)
     return t.reshape(-1, 1).expand(like.shape[0], 1) if t.dim() else t.expand(like.shape[0], 1)
 
 
@@ -57,8 +60,10 @@ def warp_probs(logits: Tensor, temperature: Param = 1.0, top_k: Param = 0, top_p
         before = sorted_probs.cumsum(-1) - sorted_probs
         drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, (before >= p) & (p < 1.0))
         out = out.masked_fill(drop, float("-inf"))
-    onehot = torch.full_like(out, float("-inf")).scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
-    return torch.where(greedy, onehot, out).softmax(-1)
+    if isinstance(temperature, Tensor) or temperature <= 0:  # else no row is greedy (known on the host)
+        onehot = torch.full_like(out, float("-inf")).scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+        out = torch.where(greedy, onehot, out)
+    return out.softmax(-1)
 
 
 def wire_dist_device(ids: Tensor, weights: Tensor, vocab: int) -> SparseDist:

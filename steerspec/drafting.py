@@ -116,6 +116,8 @@ def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
     if fastpath.applies_any(rows):  # device sampling, one host copy (CUDA); stopping policies stay here
         return fastpath.draft_blocks_split(rows, draft_blocks)
+    if any(_needs_hidden(row) for row in rows):  # hidden-state policies draft alone (engine.draft_block)
+        return _split_hidden(rows)
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0
@@ -132,6 +134,28 @@ def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
         logits = batched_extend([rows[i].lm for i in active], feed)
         step += 1
     return [_block(row, d) for row, d in zip(rows, drafted)]
+
+
+def _needs_hidden(row: DraftRow) -> bool:
+    policy = row.policy
+    return bool(policy is not None and getattr(policy, "stops_early", False) and getattr(policy, "needs_hidden", False))
+
+
+def _split_hidden(rows: Sequence[DraftRow]) -> List[DraftBlock]:
+    """Rows whose policy reads hidden states draft alone through `engine.draft_block` (same draws);
+    the others still draft batched."""
+    from steerspec.engine import draft_block
+
+    blocks: List[Optional[DraftBlock]] = [None] * len(rows)
+    rest = [i for i, row in enumerate(rows) if not _needs_hidden(row)]
+    for i, row in enumerate(rows):
+        if _needs_hidden(row):
+            if row.first_logits is not None:
+                raise ValueError("a hidden-state policy cannot reuse first_logits")
+            blocks[i] = draft_block(row.lm, row.committed, row.k, row.config, row.generator, row.policy)
+    for i, block in zip(rest, draft_blocks([rows[i] for i in rest]) if rest else []):
+        blocks[i] = block
+    return blocks  # type: ignore[return-value]
 
 
 def _block(row: DraftRow, drafted: _Drafted) -> DraftBlock:

@@ -127,8 +127,14 @@ def draft_block(
     feed: object = committed[drafter.length:]
     tokens: List[Tensor] = []
     q_rows: List[SparseDist] = []
+    want_hidden = stops_early and getattr(policy, "needs_hidden", False)
+    final = [drafter.num_layers] if want_hidden else None  # the final-normed state (policies/heads.py)
+    hidden = None
     for i in range(k):
-        logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
+        out = drafter.extend(feed, final, logits_to_keep=1)
+        logits = out.logits  # [1, V]
+        if want_hidden:
+            hidden = out.hidden[0, -1]  # [D]
         if greedy:
             token = logits.argmax(-1)  # [1]
             probs = logits.softmax(-1)[0] if stops_early else None
@@ -139,7 +145,7 @@ def draft_block(
             q_rows.append(dist)
             probs = probs_full[0]
         tokens.append(token)
-        if stops_early and i + 1 < k and policy.observe(DraftStep(i, int(token), probs)):
+        if stops_early and i + 1 < k and policy.observe(DraftStep(i, int(token), probs, hidden)):
             break
         feed = token
     if tokens:

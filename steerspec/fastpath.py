@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from steerspec import device_sampling as ds
+from steerspec.models.graphed import upload
 from steerspec.models.kv import CachedLM
 from steerspec.sampling import SparseDist
 from steerspec.speculative import DraftBlock, VerifyOutcome
@@ -48,7 +49,7 @@ def _uniforms(rows: int, cols: int, generator: Optional[torch.Generator], device
     """Uniforms on `device` from the generator wherever it lives (one draw per block)."""
     gen_device = device if generator is None else generator.device
     u = ds.uniforms(rows, cols, generator, gen_device)
-    return u.to(device, non_blocking=True)
+    return upload(u, device)
 
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:
@@ -80,7 +81,7 @@ def draft_block(drafter: CachedLM, committed: Sequence[int], k: int, config: "De
         return DraftBlock(tokens=torch.zeros(1, 0, dtype=torch.long), lengths=torch.tensor([0]))
     u = None if greedy else _uniforms(k, 2, generator, device)
     # a pageable non-blocking copy: no wait for the stream (torch.tensor(..., device=) would)
-    feed: Tensor = torch.tensor(list(committed[drafter.length:]), dtype=torch.long).to(device, non_blocking=True)
+    feed: Tensor = upload(torch.tensor(list(committed[drafter.length:]), dtype=torch.long), device)
     tokens: List[Tensor] = []
     dists: List[SparseDist] = []
     for i in range(k):
@@ -115,10 +116,10 @@ def verify_block(verifier: CachedLM, pending: int, block: DraftBlock, config: "D
     feed = torch.cat([torch.tensor([pending], dtype=torch.long), block.tokens[0].cpu()]) \
         if block.tokens.device.type == "cpu" else \
         torch.cat([torch.tensor([pending], dtype=torch.long, device=block.tokens.device), block.tokens[0]])
-    out = verifier.extend(feed.to(device, non_blocking=True), hidden_layers)
+    out = verifier.extend(upload(feed, device), hidden_layers)
     logits = out.logits.unsqueeze(0)  # [1, k+1, V]
-    on_device = DraftBlock(block.tokens.to(device, non_blocking=True), block.lengths.to(device, non_blocking=True),
-                           None if block.q is None else block.q.map(lambda t: t.to(device, non_blocking=True)))
+    on_device = DraftBlock(upload(block.tokens, device), upload(block.lengths, device),
+                           None if block.q is None else block.q.map(lambda t: upload(t, device)))
     params = config.sampling
     if params.greedy:
         outcome = ds.greedy_verify_device(logits, on_device.tokens, on_device.lengths)
@@ -174,7 +175,7 @@ def verify_blocks(lms: Sequence[CachedLM], pendings: Sequence[int], blocks: Sequ
     for b, (pending, block) in enumerate(zip(pendings, blocks)):
         feeds[b, 0] = int(pending)
         feeds[b, 1 : ks[b] + 1] = block.tokens[0].cpu()
-    logits, hidden = _extend_rows(lms, feeds.to(device, non_blocking=True), [k + 1 for k in ks], hidden_layers)
+    logits, hidden = _extend_rows(lms, upload(feeds, device), [k + 1 for k in ks], hidden_layers)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     is_bonus = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -182,10 +183,10 @@ def verify_blocks(lms: Sequence[CachedLM], pendings: Sequence[int], blocks: Sequ
     for b, (block, p) in enumerate(zip(blocks, params)):
         key = ("greedy",) if p.greedy else ("sample", None if block.q is None else int(block.q.ids.shape[-1]))
         groups.setdefault(key, []).append(b)
-    lengths = torch.tensor(ks).to(device, non_blocking=True)
-    tokens = feeds[:, 1:].to(device, non_blocking=True)
+    lengths = upload(torch.tensor(ks), device)
+    tokens = upload(feeds[:, 1:].contiguous(), device)
     for key, rows in groups.items():
-        index = torch.tensor(rows).to(device, non_blocking=True)
+        index = upload(torch.tensor(rows), device)
         sub_logits, sub_tokens, sub_lengths = logits[index], tokens[index, : width - 1], lengths[index]
         if key[0] == "greedy":
             outcome = ds.greedy_verify_device(sub_logits, sub_tokens, sub_lengths)
@@ -193,7 +194,7 @@ def verify_blocks(lms: Sequence[CachedLM], pendings: Sequence[int], blocks: Sequ
             temps = torch.tensor([params[b].temperature for b in rows], dtype=torch.float32)
             top_ks = torch.tensor([params[b].top_k for b in rows])
             top_ps = torch.tensor([params[b].top_p for b in rows], dtype=torch.float32)
-            per_pos = lambda t: t.repeat_interleave(width).to(device, non_blocking=True)  # noqa: E731
+            per_pos = lambda t: upload(t.repeat_interleave(width), device)  # noqa: E731
             probs = ds.warp_probs(sub_logits.reshape(-1, sub_logits.shape[-1]), per_pos(temps), per_pos(top_ks),
                                   per_pos(top_ps), filter_top_k=bool((top_ks > 0).any()),
                                   filter_top_p=bool((top_ps < 1).any())).view(sub_logits.shape)
@@ -224,7 +225,7 @@ def _pad_q(q: SparseDist, width: int, device: torch.device) -> SparseDist:
     ids[:k], probs[:k] = q.ids[0].cpu(), q.probs[0].float().cpu()
     if q.floor is not None:
         floor[:k] = q.floor[0].float().cpu()
-    return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: t.to(device, non_blocking=True))
+    return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: upload(t, device))
 
 
 def _first_logits(rows: Sequence, active: List[int]) -> Tensor:
@@ -296,7 +297,7 @@ def draft_blocks(rows: Sequence) -> List[DraftBlock]:
             key = None if config.greedy else (p.temperature, p.top_k, p.top_p, config.draft_top_k, config.draft_tail)
             groups.setdefault(key, []).append(a)
         for key, members in groups.items():
-            index = torch.tensor(members).to(device, non_blocking=True) if len(members) < len(active) else None
+            index = upload(torch.tensor(members), device) if len(members) < len(active) else None
             sub = logits if index is None else logits[index]
             if key is None:
                 tok = sub.argmax(-1)
@@ -315,7 +316,7 @@ def draft_blocks(rows: Sequence) -> List[DraftBlock]:
         keep = [a for a, i in enumerate(active) if len(tokens[i]) < ks[i]]
         if not keep:
             break
-        feed = chosen if len(keep) == len(active) else chosen[torch.tensor(keep).to(device, non_blocking=True)]
+        feed = chosen if len(keep) == len(active) else chosen[upload(torch.tensor(keep), device)]
         active = [active[a] for a in keep]
         logits = batched_extend([rows[i].lm for i in active], feed)
         step += 1

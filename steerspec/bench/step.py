@@ -114,27 +114,42 @@ def _env(name: str, value: str):
 
 
 class HFFloor:
-    """HF StaticCache over one model, fed n tokens per call at advancing positions (StaticCache
-    attends over its whole length, so every call costs the same); `calls` bounds the capacity."""
+    """HF StaticCache over one model, fed n tokens per call. transformers 5.x advances the cache's
+    own position (every call costs the same: StaticCache attends over its whole length, so
+    `calls` sizes it); 4.x takes `cache_position`, fixed here, so each call rewrites the same slots."""
 
     def __init__(self, model, prefix: int, n: int, calls: int, compile_mode: Optional[str]) -> None:
+        import inspect
+
         from transformers import StaticCache
 
         self.device = model.device
-        self.cache = StaticCache(config=model.config, max_cache_len=prefix + n * (calls + 2))
+        capacity = prefix + n * (calls + 2)
+        try:
+            self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        except TypeError:  # transformers 4.x
+            self.cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=capacity,
+                                     device=self.device, dtype=model.dtype)
+        params = inspect.signature(model.forward).parameters
+        key = "cache" if "cache" in params else "past_key_values"
+        fixed = "cache_position" in params
         ids = torch.arange(3, 3 + prefix, device=self.device).view(1, -1) % model.config.vocab_size
+        extra = {"cache_position": torch.arange(prefix, device=self.device)} if fixed else {}
         with torch.inference_mode():
-            model(input_ids=ids, cache=self.cache, use_cache=True)
+            model(input_ids=ids, use_cache=True, **{key: self.cache}, **extra)
         self.ids = torch.full((1, n), 7, dtype=torch.long, device=self.device)
+        self.positions = torch.arange(prefix, prefix + n, device=self.device) if fixed else None
+        cache = self.cache
 
-        def forward(ids):
-            return model(input_ids=ids, cache=self.cache, use_cache=True).logits
+        def forward(ids, positions):
+            extra = {} if positions is None else {"cache_position": positions}
+            return model(input_ids=ids, use_cache=True, **{key: cache}, **extra).logits
 
         self.forward = torch.compile(forward, mode=compile_mode, fullgraph=True) if compile_mode else forward
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
-        return self.forward(self.ids)
+        return self.forward(self.ids, self.positions)
 
 
 def _measure_dtype(args, dtype: str) -> Dict[str, Any]:
@@ -286,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # logs (no terminal) keep the columns whole
     console.print(_table(report))
     for entry in report["dtypes"]:
         for path, counts in (entry.get("profile") or {}).items():

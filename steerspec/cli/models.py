@@ -52,7 +52,28 @@ def describe() -> List[Dict[str, object]]:
             "size_mb": round(size / 1e6, 2) if installed else None,
             "path": str(path),
         })
+    rows.append(smollm2_row())
     return rows
+
+
+def smollm2_row() -> Dict[str, object]:
+    """The real verifier `smollm2`: its source package and version, license, size and cache location."""
+    from steerspec.models import smollm2
+
+    info = smollm2.describe()
+    path = Path(str(info["path"]))
+    converted = bool(info["converted"])
+    config = json.loads((path / "config.json").read_text()) if converted else {}
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if converted else 0
+    return {
+        "name": smollm2.NAME, "alias": None, "installed": converted,
+        "parameters": count_parameters(path) if converted else None,  # tied head: stored once
+        "architecture": (config.get("architectures") or ["?"])[0] if converted else None,
+        "layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
+        "context": config.get("max_position_embeddings"), "size_mb": round(size / 1e6, 2) if converted else None,
+        "path": str(path), "source": f"{info['package']} {info['package_version'] or '(not installed)'}",
+        "license": info["license"], "available": info["available"], "install_hint": info["install_hint"],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,10 +89,22 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column in ("parameters", "layers", "hidden", "context", "MB") else "left")
     for row in rows:
         name = row["name"] + (f" ({row['alias']})" if row["alias"] else "")
+        if row.get("source") and not row["installed"]:
+            state = "converted on first use" if row["available"] else "not installed"
+            table.add_row(name, "-", state, "", "", "", "", f"{row['path']} ({row['source']}, {row['license']})")
+            continue
+        if row.get("source"):
+            table.add_row(name, f"{row['parameters']:,}", str(row["architecture"]), str(row["layers"]),
+                          str(row["hidden_size"]), str(row["context"]), f"{row['size_mb']:.1f}",
+                          f"{row['path']} ({row['source']}, {row['license']})")
+            continue
         if not row["installed"]:
             table.add_row(name, "-", "not installed", "", "", "", "", row["path"])
             continue
         table.add_row(name, f"{row['parameters']:,}", str(row["architecture"]), str(row["layers"]),
                       str(row["hidden_size"]), str(row["context"]), f"{row['size_mb']:.1f}", row["path"])
     Console(width=200).print(table)
+    hint = rows[-1].get("install_hint")
+    if hint:
+        sys.stdout.write(f"smollm2: not installed; install it with: {hint}\n")
     return 0

@@ -3,7 +3,8 @@
 - `indist`: function/class headers plus their first lines, from the held-out stdlib modules
   (same distribution as training, unseen files);
 - `tests`: the same kind of prefix from the stdlib test suite (out of distribution: never trained on);
-- `docs`: the opening lines of the `pydoc_data` topics (English prose: out of distribution).
+- `docs`: the opening lines of the `pydoc_data` topics (English prose: out of distribution);
+- `fresh` (hand-written, not rebuilt here): Python written for SteerSpec, published nowhere.
 
 A prompt is a natural prefix (ends at the end of a line, without the newline, so the model
 continues it) of 20-200 tokens. `python -m steerspec.data.evalsets --out steerspec/assets/eval`
@@ -22,6 +23,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from steerspec.data.corpus import DEFAULT_SEED, list_test_files, read_source, stable_unit, stdlib_root, stdlib_split
 
 SETS = ("indist", "tests", "docs")
+# Hand-written, not generated: `fresh` is Python written for SteerSpec and published nowhere, so no
+# pretrained verifier (smollm2) can have seen it.
+HAND_WRITTEN_SETS = ("fresh",)
 MIN_TOKENS, MAX_TOKENS = 20, 200
 TARGET_TOKENS = 40  # grow a prompt line by line until it has at least this many tokens
 PER_SET = 64
@@ -34,8 +38,8 @@ def assets_dir() -> Path:
 
 def load_eval_set(name: str, directory: Optional[Path] = None) -> List[Dict[str, str]]:
     """The prompts of a bundled eval set, in file order."""
-    if name not in SETS:
-        raise ValueError(f"unknown eval set {name!r}; expected one of {SETS}")
+    if name not in SETS + HAND_WRITTEN_SETS:
+        raise ValueError(f"unknown eval set {name!r}; expected one of {SETS + HAND_WRITTEN_SETS}")
     path = Path(directory or assets_dir()) / f"{name}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

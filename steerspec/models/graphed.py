@@ -33,6 +33,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65)  # k + 1 for k = 0, 1, 2, 4, 8, 16, 32, 64
 
 
+def upload(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without waiting for the stream (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def bucket(n: int, buckets: Sequence[int]) -> Optional[int]:
     """The smallest bucket holding n, or None when n exceeds them all."""
     return next((b for b in buckets if b >= n), None)
@@ -112,7 +119,7 @@ class _Graph:
     def replay(self, feeds: Tensor, meta: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         rows, width = feeds.shape
         self.tokens[:rows, :width].copy_(feeds, non_blocking=True)  # padding keeps earlier (valid) ids
-        self.meta.copy_(meta, non_blocking=True)
+        self.meta.copy_(meta.pin_memory() if meta.device.type == "cpu" else meta, non_blocking=True)
         if bias is not self.bias_src:
             if bias is None:
                 self.bias.zero_()
@@ -342,7 +349,7 @@ def graphed_extend(lms: Sequence[GraphedLM], feeds: Tensor, counts: Sequence[int
                          [lm.length for lm in lms] + [0] * (batch - rows)], dtype=torch.long)
     bias = _stack_biases(lms, biases or [lm.up_bias for lm in lms], batch)
     if pool.use_graphs:
-        logits, hidden = pool.graph(batch, width, hidden_layers).replay(feeds.to(device), meta, bias)
+        logits, hidden = pool.graph(batch, width, hidden_layers).replay(upload(feeds, device), meta, bias)
     else:
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         tokens[:rows, : feeds.shape[1]] = feeds.to(device)

@@ -68,8 +68,15 @@ class CachedLM:
 
         return pre_hook
 
+    def _final_hook(self, module, args, output):
+        if self.num_layers in self._want:
+            self._captured[self.num_layers] = output
+
     def _ensure_hooks(self, layers: Sequence[int]) -> None:
         for index in layers:
+            if index == self.num_layers and index not in self._hooked:  # the final-normed state
+                self.model.get_decoder().norm.register_forward_hook(self._final_hook)
+                self._hooked.add(index)
             if index not in self._hooked:
                 if not 0 <= index < self.num_layers:
                     raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")
@@ -87,7 +94,8 @@ class CachedLM:
     def extend(self, ids: TokenIds, hidden_layers: Optional[Sequence[int]] = None,
                logits_to_keep: int = 0) -> StepOutput:
         """Feed `ids` after the cached prefix; return their logits (and hidden states entering
-        `hidden_layers`, [L, n, D]). `logits_to_keep` > 0 keeps only the last rows (prefill)."""
+        `hidden_layers`, [L, n, D]; index num_layers is the final-normed state the LM head reads,
+        used by draft-length policies). `logits_to_keep` > 0 keeps only the last rows (prefill)."""
         input_ids = self.as_tensor(ids)
         n = input_ids.shape[1]
         if n == 0:
@@ -246,7 +254,7 @@ class FastCachedLM(CachedLM):
             return super().extend(ids, hidden_layers, logits_to_keep)
         if hidden_layers:
             for index in hidden_layers:
-                if not 0 <= index < self.num_layers:
+                if not 0 <= index <= self.num_layers:
                     raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")
         self._grow(end)
         want = frozenset(hidden_layers or ())
@@ -318,7 +326,10 @@ class FastCachedLM(CachedLM):
         self.length = end
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self.project(rms_norm(x, *self._final_norm))[0]
+        normed = rms_norm(x, *self._final_norm)
+        logits = self.project(normed)[0]
+        if self.num_layers in want:
+            captured[self.num_layers] = normed[0]
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
         return StepOutput(logits, hidden)
 

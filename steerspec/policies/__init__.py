@@ -5,7 +5,15 @@ Importing this package registers every bundled policy with `steerspec.policies.r
 
 from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep, PolicyBase
 from steerspec.policies.fixed import FixedK
+from steerspec.policies.heuristic import Heuristic
+from steerspec.policies.threshold import AssistantThreshold
+from steerspec.policies.adaedl import AdaEDL
+from steerspec.policies.gammatune import GammaTune, GammaTunePlus
+from steerspec.policies.latency import LatencyAware
+from steerspec.policies.specdecpp import SpecDecPP
+from steerspec.policies.pacer import Pacer
 from steerspec.policies.registry import PolicyContext, PolicyError, known_policies, make_policy, parse_spec
 
-__all__ = ["BlockFeedback", "DraftLengthPolicy", "DraftStep", "FixedK", "PolicyBase", "PolicyContext",
+__all__ = ["AdaEDL", "AssistantThreshold", "GammaTune", "GammaTunePlus", "Heuristic", "LatencyAware",
+           "Pacer", "SpecDecPP", "BlockFeedback", "DraftLengthPolicy", "DraftStep", "FixedK", "PolicyBase", "PolicyContext",
            "PolicyError", "known_policies", "make_policy", "parse_spec"]

@@ -112,7 +112,7 @@ def train(model, tokens: np.ndarray, cfg: LoopConfig, work: Path, log: Optional[
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         optimizer.step()
         dt = time.monotonic() - t0
-        figures = {"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr_at(step, cfg),
+        figures = {"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr_at(step, cfg),
                    "tokens_per_s": cfg.batch_size * cfg.seq_len / dt}
         bar.set_postfix(loss=f"{figures['loss']:.3f}", tps=f"{figures['tokens_per_s']:.0f}")
         log.info(json.dumps(figures))

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-s", type=float, default=600.0, help="seconds between checkpoints")
     parser.add_argument("--train-chars", type=int, default=12_000_000, help="corpus cap (characters)")
     parser.add_argument("--init-only", action="store_true", help="export the untrained initialisation and stop")
+    parser.add_argument("--export-only", action="store_true",
+                        help="export WORK/train's latest checkpoint without training (safe while training runs)")
 
 
 def choose_support(tokens: np.ndarray, size: int, vocab_size: int, always=()) -> torch.Tensor:
@@ -95,7 +97,14 @@ def run(args) -> int:
                      checkpoint_s=args.checkpoint_s)
     started = time.monotonic()
     figures = {}
-    if not args.init_only:
+    if args.export_only:
+        from steerspec.train.loop import CHECKPOINT
+
+        state = torch.load(work / "train" / CHECKPOINT, map_location="cpu")
+        model.load_state_dict(state["own"], strict=False)
+        figures = {"step": int(state["step"])}
+        args.lr = state["config"]["lr"]
+    elif not args.init_only:
         figures = train(model, tokens, cfg, work / "train", log=log, stop_file=work / "STOP")
     steps_done = int(figures.get("step", 0))
     card = model_card(args, figures, time.monotonic() - started, steps_done * cfg.batch_size * cfg.seq_len)

@@ -1,0 +1,166 @@
+"""Draft-length policies: each rule's exact behaviour, spec refusals, state round trips, losslessness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.models import cached_lm, context_length, eos_token_ids
+from steerspec.policies import BlockFeedback, DraftStep, PolicyContext, PolicyError, known_policies, make_policy
+from steerspec.policies.adaedl import entropy_lower_bound
+from steerspec.policies.heads import build_head, save_head
+
+
+def _probs(top: float, vocab: int = 8) -> torch.Tensor:
+    rest = (1.0 - top) / (vocab - 1)
+    return torch.tensor([top] + [rest] * (vocab - 1))
+
+
+def _ks(policy, accepted_per_block):
+    """k before each block, feeding back `accepted` of the k drafted."""
+    ks = []
+    for accepted in accepted_per_block:
+        k = policy.next_k()
+        ks.append(k)
+        policy.update(BlockFeedback(accepted=min(accepted, k), drafted=k))
+    return ks
+
+
+def test_heuristic_schedule_exact():
+    policy = make_policy("heuristic:k=3")
+    # full, full, miss, miss, full, 0-of-k down to the floor of 1
+    assert _ks(policy, [99, 99, 0, 2, 99, 0, 0, 0, 0, 0, 0, 0]) == [3, 5, 7, 6, 5, 7, 6, 5, 4, 3, 2, 1]
+    assert policy.next_k() == 1
+    policy.update(BlockFeedback(0, 1))
+    assert policy.next_k() == 1
+
+
+def test_gammatune_algorithm1_exact():
+    policy = make_policy("gammatune:k=4,eta=0.5,gmin=1,gmax=10,delta=2")
+    # γ̄: 4 -> full (4+2): 5 -> 2 of 5: 3.5 -> full (4+2): 4.75 -> 0: 2.375 -> 0: 1.1875 -> 0: 1 (clamp)
+    assert _ks(policy, [99, 2, 99, 0, 0, 0, 0]) == [4, 5, 4, 5, 3, 2, 1]
+    assert policy.gamma_bar == 1.0
+    for _ in range(20):  # always fully accepted: grows to γ_max and stays
+        policy.update(BlockFeedback(policy.next_k(), policy.next_k()))
+    assert policy.next_k() == 10 and policy.gamma_bar == 10.0
+
+
+def test_confidence_stops():
+    threshold = make_policy("threshold:p=0.4,k=9")
+    assert threshold.next_k() == 9 and threshold.stops_early
+    assert threshold.observe(DraftStep(0, 1, _probs(0.9))) is False
+    assert threshold.observe(DraftStep(1, 1, _probs(0.39))) is True
+    plus = make_policy("gammatune+:tau=0.6")
+    assert plus.observe(DraftStep(0, 1, _probs(0.61))) is False
+    assert plus.observe(DraftStep(0, 1, _probs(0.59))) is True
+
+
+def test_adaedl_bound_and_lambda_adaptation():
+    uniform = torch.full((8,), 1 / 8)
+    assert entropy_lower_bound(uniform, 0.2) == pytest.approx(1 - (0.2 * torch.log(torch.tensor(8.0))).sqrt().item())
+    policy = make_policy("adaedl:lam=0.5,gamma=0.2,eps=0.1")
+    policy.next_k()
+    assert policy.observe(DraftStep(0, 1, _probs(0.99))) is False  # low entropy: high bound
+    assert policy.observe(DraftStep(1, 1, uniform)) is True  # bound 0.35 < 0.5
+    bounds = list(policy._bounds)
+    policy.update(BlockFeedback(accepted=2, drafted=2))  # better than the bound said: λ falls
+    assert policy.lam == pytest.approx(0.5 + 0.1 * (sum(bounds) / 2 - 1.0))
+    assert policy.lam < 0.5
+
+
+def test_latency_policy_drafts_longer_when_rtt_grows():
+    ks = {}
+    for rtt in (0.0, 100.0):
+        rng = torch.Generator().manual_seed(0)
+        policy = make_policy("latency:max=32")
+        for _ in range(200):
+            k = policy.next_k()
+            # each draft accepted with probability 0.85 given the earlier ones; drafter 1 ms/token,
+            # verifier 5 ms/block, `rtt` ms of network per block
+            hits = (torch.rand(k, generator=rng) < 0.85).tolist() + [False]
+            accepted = hits.index(False)
+            policy.update(BlockFeedback(accepted=accepted, drafted=k, draft_ms=1.0 * k, verify_ms=5.0,
+                                        network_ms=rtt))
+        ks[rtt] = policy.next_k()
+    assert 1 <= ks[0.0] <= 8, ks
+    assert ks[100.0] >= 2 * ks[0.0], ks
+
+
+@pytest.mark.parametrize("spec", ["heuristic:k=3", "gammatune:k=6", "gammatune+:k=6", "adaedl", "latency"])
+def test_state_dict_round_trip(spec):
+    a = make_policy(spec)
+    for accepted in (3, 0, 5, 1):
+        k = a.next_k()
+        a.update(BlockFeedback(min(accepted, k), k, draft_ms=2.0, verify_ms=4.0, network_ms=10.0))
+    b = make_policy(spec)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict() and b.next_k() == a.next_k()
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("fixed:k=0", "[1, 64]"), ("fixed:k=65", "[1, 64]"), ("heuristic:bogus=1", "no key 'bogus'"),
+    ("threshold:p=1.5", "(0, 1)"), ("gammatune+:tau=0", "(0, 1)"), ("gammatune:gmin=9,gmax=3", "gmin"),
+    ("pacer", "train one"), ("specdecpp", "train one"), ("nosuch", "known policies"),
+])
+def test_bad_specs_are_refused_with_one_line(spec, fragment):
+    with pytest.raises(PolicyError) as info:
+        make_policy(spec)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_head_for_another_drafter_is_refused(tmp_path):
+    path = tmp_path / "pacer.pt"
+    save_head(path, "pacer", build_head("pacer", {"hidden_size": 32}), {"hidden_size": 32}, {})
+    with pytest.raises(PolicyError, match="hidden size 32"):
+        make_policy(f"pacer:head={path}", PolicyContext(hidden_size=128))
+
+
+# --- losslessness on the bundled pair -------------------------------------------------------
+
+N_PROMPTS, MAX_NEW = 16, 24
+
+
+@pytest.fixture(scope="module")
+def setup(loaded_pair, eval_prompts, tmp_path_factory):
+    verifier, drafter, tok = loaded_pair
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in eval_prompts[:N_PROMPTS]]
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos_token_ids(verifier, tok),
+                          max_length=min(context_length(verifier), context_length(drafter)))
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    reference = [autoregressive_generate(v, ids, config).token_ids for ids in prompts]
+    root = tmp_path_factory.mktemp("heads")
+    torch.manual_seed(0)  # untrained heads: exactness must not depend on what a head predicts
+    size = int(drafter.config.hidden_size)
+    for kind in ("pacer", "specdecpp"):
+        save_head(root / f"{kind}.pt", kind, build_head(kind, {"hidden_size": size}), {"hidden_size": size}, {})
+    return v, d, prompts, config, reference, root, size
+
+
+def _specs(root):
+    specs = []
+    for name in sorted(known_policies()):
+        if name in ("pacer", "specdecpp"):
+            specs.append(f"{name}:head={root / (name + '.pt')}")
+        else:
+            specs.append(name)
+    return specs
+
+
+def test_every_policy_is_lossless_greedy(setup):
+    v, d, prompts, config, reference, root, size = setup
+    fixed = [speculative_generate(v, d, ids, config, make_policy("fixed:k=4")).token_ids for ids in prompts]
+    assert fixed == reference
+    lengths = {}
+    for spec in _specs(root):
+        policy = make_policy(spec, PolicyContext(hidden_size=size))
+        drafted = rounds = 0
+        for ids, expected in zip(prompts, reference):
+            result = speculative_generate(v, d, ids, config, policy)
+            assert result.token_ids == expected, spec
+            drafted, rounds = drafted + result.drafted, rounds + result.rounds
+        lengths[spec.split(":")[0]] = drafted / rounds
+    assert set(lengths) == set(known_policies())
+    assert lengths["threshold"] < 20  # the confidence stop fired somewhere

@@ -1,0 +1,111 @@
+"""The reduced-vocabulary drafter (models/reduced.py) on a tiny random verifier: exact q, faithful export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.models import cached_lm, load_model
+from steerspec.models.kv import FastCachedLM
+from steerspec.models.reduced import MASKED_LOGIT, init_from_verifier, is_reduced_dir, load_reduced, save_drafter
+from steerspec.policies import FixedK
+from steerspec.sampling import SamplingParams
+from steerspec.train.loop import LoopConfig, support_index, train
+from steerspec.train.smollm2 import choose_support
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_verifier(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=[0])
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny_verifier")
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def support():
+    return torch.arange(0, VOCAB, 2)  # even ids only
+
+
+def test_q_is_a_full_distribution_that_is_zero_outside_the_support(tiny_verifier, support):
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 3])
+    logits = drafter(torch.tensor([[1, 5, 7, 2]])).logits
+    assert logits.shape[-1] == VOCAB
+    q = logits.softmax(-1)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[support] = False
+    assert torch.all(q[..., outside] == 0)
+    assert torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]))
+    assert torch.all(logits[..., outside] == MASKED_LOGIT)
+
+
+def test_export_holds_only_own_weights_and_loads_exactly(tiny_verifier, support, tmp_path):
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 3])
+    out = save_drafter(drafter, tmp_path / "d")
+    assert is_reduced_dir(out)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "drafter.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names and "support" in names
+    loaded = load_reduced(out, verifier_dir=tiny_verifier)
+    again = load_reduced(save_drafter(loaded, tmp_path / "e"), verifier_dir=tiny_verifier)
+    ids = torch.tensor([[3, 9, 4, 4, 8]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, again(ids).logits)  # fp16 storage, exact fp32 reload
+        assert torch.allclose(loaded(ids).logits.softmax(-1), drafter(ids).logits.softmax(-1), atol=1e-2)
+
+
+def test_fast_backend_matches_the_transformers_forward(tiny_verifier, support):
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [1, 2]).eval()
+    fast = cached_lm(drafter, "fast")
+    assert isinstance(fast, FastCachedLM)
+    ids = [5, 8, 13, 2, 40]
+    out = fast.extend(ids).logits
+    with torch.no_grad():
+        ref = drafter(torch.tensor([ids])).logits[0]
+    assert torch.allclose(out, ref, atol=1e-4)
+
+
+def test_speculation_with_a_reduced_drafter_is_exact(tiny_verifier, support, tmp_path):
+    drafter_dir = save_drafter(init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 1]), tmp_path / "d")
+    verifier = cached_lm(load_model(tiny_verifier))
+    drafter = cached_lm(load_model(drafter_dir))  # the loader reads the embedding from the verifier dir
+    config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), max_length=128)
+    for prompt in ([4, 6, 8], [1, 3, 5, 7]):
+        expected = autoregressive_generate(verifier, prompt, config).token_ids
+        assert speculative_generate(verifier, drafter, prompt, config, FixedK(4)).token_ids == expected
+    sampled = DecodeConfig(max_new_tokens=16, sampling=SamplingParams(temperature=1.0), seed=7, eos_token_ids=(),
+                           max_length=128)
+    result = speculative_generate(verifier, drafter, [4, 6, 8], sampled, FixedK(4))
+    # tokens outside the drafter's support still come out (through the residual): q = 0 there is exact
+    assert len(result.token_ids) == 16 and any(t % 2 == 1 for t in result.token_ids)
+
+
+def test_support_keeps_the_most_frequent_tokens_and_eos():
+    import numpy as np
+
+    tokens = np.array([5, 5, 5, 7, 7, 9, 1], dtype=np.uint16)
+    assert choose_support(tokens, 3, 16, always=[0]).tolist() == [0, 5, 7]
+    index = support_index(torch.tensor([0, 5, 7]), 16)
+    assert index[5] == 1 and index[9] == -100
+
+
+def test_training_lowers_the_loss_and_resumes(tiny_verifier, support, tmp_path):
+    import numpy as np
+
+    tokens = np.tile(np.arange(0, 40, 2, dtype=np.uint16), 50)  # a repeating pattern inside the support
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 1])
+    cfg = LoopConfig(steps=30, batch_size=4, seq_len=16, lr=3e-3, warmup=2, checkpoint_s=0.0)
+    first = train(drafter, tokens, LoopConfig(**{**cfg.__dict__, "steps": 1}), tmp_path / "w")
+    last = train(init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 1]), tokens, cfg, tmp_path / "w")
+    assert last["step"] == 30 and last["loss"] < first["loss"]

