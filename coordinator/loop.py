@@ -39,6 +39,7 @@ from coordinator.placement import Placer
 from coordinator.results import BlockStats, Chunk, DistributedResult, block_span
 from steerspec.store import InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
+from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K
 from steerspec.sampling import SamplingParams
@@ -193,20 +194,16 @@ class SessionLoop:
     @property
     def room(self) -> int:
         """Tokens the session may still commit: its budget, capped by the context limit."""
-        if self.cfg.max_length is None:
-            return self.remaining
-        return min(self.remaining, self.cfg.max_length - self.committed_length)
+        return rounds.room(self.remaining, self.committed_length, self.cfg.max_length)
 
     def _stream_seed(self) -> int:
         """The seed for (re)opened streams: the request's, or for a resumed session one derived from it
         and the committed length, so random draws after a failover are fresh rather than replayed."""
         seed = int(self.req.seed)
         if self.generated:
-            seed = (seed * 1_000_003 + self.committed_length) % (2**63)
+            seed = rounds.resumed_seed(seed, self.committed_length)
         if self.req.mode == "autoregressive":
-            # The verifier seeds its stream with seed + 1 (the drafter has seed); verifier-only decoding
-            # samples directly with the seed itself, as the in-process engine does.
-            seed = (seed - 1) % (2**63)
+            seed = rounds.autoregressive_stream_seed(seed)  # verifier-only decoding samples with the seed itself
         return seed
 
     def _timeout(self) -> Optional[float]:
@@ -408,15 +405,9 @@ class SessionLoop:
                     raise SessionError(grpc.StatusCode.INTERNAL,
                                        f"verifier result does not match the block (accepted {accepted} of {drafted}, "
                                        f"committed_length {result.committed_length})")
-                new = [int(t) for t in block.draft_ids[:accepted]] + [int(result.next_token)]
-                room = self.room
-                new = new[:room]
-                eos = next((i for i, t in enumerate(new) if t in self.cfg.eos_ids), None)
-                if eos is not None:
-                    new = new[:eos + 1]
-                    finish = "eos"
-                elif len(new) >= room:
-                    finish = "length" if room >= self.remaining else "context"
+                new, stop = rounds.commit_block(block.draft_ids, accepted, result.next_token, self.room,
+                                                self.remaining, self.cfg.eos_ids)
+                finish = stop or ""
                 self.generated.extend(new)
                 if result.HasField("steering"):
                     self.steering = result.steering
@@ -447,15 +438,8 @@ class SessionLoop:
                 self._unplace(kind, address)
 
     def _record(self, stats: BlockStats) -> None:
-        r = self.result
-        r.rounds += 1
-        r.drafted += stats.drafted
-        r.accepted += stats.accepted
-        r.block_drafted.append(stats.drafted)
-        r.block_accepted.append(stats.accepted)
-        r.draft_s += stats.draft_ms / 1000.0
-        r.verify_s += stats.verify_ms / 1000.0
-        r.blocks.append(stats)
+        rounds.record_block(self.result, stats)
+        self.result.blocks.append(stats)
         metrics = self.cfg.metrics
         if metrics is not None:
             from steerspec.tracing import BlockStages

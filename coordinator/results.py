@@ -8,32 +8,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence
 
 from steerspec.metrics import GenerationResult
+from steerspec.rounds import BlockStats  # noqa: F401  (re-exported: the one per-block stats type)
 from steerspec.v1 import coordinator_pb2
-
-
-@dataclass
-class BlockStats:
-    """One verifier round trip, as the coordinator measured it (milliseconds, bytes)."""
-
-    seq: int
-    drafted: int
-    accepted: int
-    committed: int  # tokens this block added to the output (after truncation)
-    rtt_ms: float
-    draft_ms: float  # asking the drafter -> its block arriving
-    network_ms: float
-    queue_ms: float
-    verify_ms: float
-    cycle_ms: float  # asking for the draft -> feeding the result back (draft, round trip, commit)
-    bytes_up: int
-    bytes_down: int
-    batch_size: int
-    verifier: str = ""
-    draft_compute_ms: float = 0.0  # the drafter's own compute report
-
-    @property
-    def overhead_ms(self) -> float:
-        return max(0.0, self.cycle_ms - self.draft_ms - self.network_ms - self.queue_ms - self.verify_ms)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Optional
 import grpc
 import torch
 
+from steerspec import rounds
 from steerspec import wire
 from steerspec.policies.base import MAX_K
 from steerspec.sampling import MAX_DRAFT_TOP_K
@@ -131,8 +132,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         policy = resolve_policy(msg.policy, k)
         steering = self._steering(msg.steering, "DraftOpen.steering")
-        generator = torch.Generator(device=self.model.device)
-        generator.manual_seed(int(msg.seed) % (2**63))  # the drafter's stream is the seed itself (engine.py)
+        generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)
         ids = prompt.tolist()
         return self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                generator=generator, k=k, draft_top_k=top_k, policy=policy,

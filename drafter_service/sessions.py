@@ -20,6 +20,7 @@ import grpc
 import torch
 from torch import Tensor
 
+from steerspec import rounds
 from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
@@ -112,12 +113,9 @@ class Drafter:
 
     def block_length(self, session: DrafterSession) -> int:
         """k for the next block: the policy's choice, capped by the session's k, budget and context."""
-        k = min(int(session.policy.next_k()), session.k)
-        budget = session.budget()
-        if budget is not None:
-            k = min(k, budget - 1)  # the verifier adds one token (recovered or bonus) itself
-        k = min(k, self.context - len(session.committed))
-        return max(k, 0)
+        k = min(int(session.policy.next_k()), session.k, self.context - len(session.committed))
+        budget = session.budget()  # the verifier adds one token (recovered or bonus) itself
+        return max(k, 0) if budget is None else rounds.block_k(k, budget)
 
     def _steer(self, session: DrafterSession) -> None:
         """Put the session's vector on the hooks for its next forward call (or clear them)."""

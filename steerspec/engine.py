@@ -13,8 +13,7 @@ x_1..x_n; the last committed token x_n is *pending*: neither KV cache holds it y
   the accepted drafts, minus the new pending token t); the caller rolls the drafter back to
   min(drafter.length, n + a).
 
-Randomness: `seed` seeds two generators, the drafter's with `seed` and the verifier's with
-`seed + 1` (they live in different processes when distributed), so a seed fixes the output.
+Randomness, block length, commit and accounting: steerspec/rounds.py (shared with the services).
 The drafter samples from draft_distribution(probs_from_logits(logits, T, top_k, top_p), draft_top_k).
 """
 
@@ -32,6 +31,8 @@ from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
 from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep
 from steerspec.policies.fixed import FixedK
+from steerspec import rounds
+from steerspec.rounds import BlockStats, make_generators
 from steerspec.sampling import SamplingParams, SparseDist, draft_distribution, probs_from_logits, sample, sample_sparse
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
 
@@ -75,19 +76,6 @@ class RoundRecord:
     committed: List[int]
     draft_s: float
     verify_s: float
-
-
-def make_generators(seed: Optional[int], drafter_device="cpu", verifier_device="cpu") -> Tuple[torch.Generator, torch.Generator]:
-    """(drafter generator seeded with seed, verifier generator seeded with seed + 1)."""
-    g_draft = torch.Generator(device=drafter_device)
-    g_verify = torch.Generator(device=verifier_device)
-    if seed is None:
-        g_draft.seed()
-        g_verify.seed()
-    else:
-        g_draft.manual_seed(int(seed) % (2**63))
-        g_verify.manual_seed((int(seed) + 1) % (2**63))
-    return g_draft, g_verify
 
 
 def _check_prompt(prompt_ids: Sequence[int], config: DecodeConfig) -> List[int]:
@@ -195,17 +183,6 @@ def verify_block(
     return outcome, hidden
 
 
-def _commit(new_tokens: List[int], budget: int, eos: Tuple[int, ...]) -> Tuple[List[int], Optional[str]]:
-    """Cut a block's tokens at the token budget and after the first EOS; say why we stop."""
-    reason = None
-    if len(new_tokens) >= budget:
-        new_tokens, reason = new_tokens[:budget], "length"
-    for i, t in enumerate(new_tokens):
-        if t in eos:
-            return new_tokens[: i + 1], "eos"
-    return new_tokens, reason
-
-
 def speculative_generate(
     verifier,
     drafter,
@@ -239,41 +216,32 @@ def speculative_generate(
     while reason is None:
         n = len(committed)
         remaining = config.max_new_tokens - len(generated)
-        if remaining <= 0:
-            reason = "length"
+        room = rounds.room(remaining, n, limit)
+        reason = rounds.stop_before_block(remaining, room)
+        if reason is not None:
             break
-        room = remaining if limit is None else min(remaining, limit - n)
-        if room <= 0:
-            reason = "context"
-            break
-        k = min(policy.next_k(), room - 1)  # a block commits at most k + 1 tokens
+        k = rounds.block_k(policy.next_k(), room)
         if steering is not None:
             steering.begin_block(hidden)
         t0 = time.perf_counter()
-        block = draft_block(drafter, committed, max(k, 0), config, g_draft, policy)
+        block = draft_block(drafter, committed, k, config, g_draft, policy)
         t1 = time.perf_counter()
         outcome, hidden = verify_block(verifier, committed[-1], block, config, g_verify, layers)
         t2 = time.perf_counter()
         drafted = int(block.tokens.shape[1])
         accepted = int(outcome.accepted[0])
-        new_tokens = block.tokens[0, :accepted].tolist()
-        new_tokens.append(int(outcome.next_tokens[0]))
         if drafter.length > n + accepted:
             drafter.rollback(n + accepted)
-        new_tokens, reason = _commit(new_tokens, room, eos)
-        if reason == "length" and room < remaining:
-            reason = "context"
+        new_tokens, reason = rounds.commit_block(block.tokens[0, :accepted].tolist(), accepted,
+                                                 int(outcome.next_tokens[0]), room, remaining, eos)
         committed.extend(new_tokens)
         generated.extend(new_tokens)
-        result.rounds += 1
-        result.drafted += drafted
-        result.accepted += accepted
-        result.block_drafted.append(drafted)
-        result.block_accepted.append(accepted)
-        result.draft_s += t1 - t0
-        result.verify_s += t2 - t1
+        draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        rounds.record_block(result, BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted,
+                                               committed=len(new_tokens), rtt_ms=verify_ms, draft_ms=draft_ms,
+                                               verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms))
         if drafted:
-            policy.update(BlockFeedback(accepted, drafted, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3))
+            policy.update(BlockFeedback(accepted, drafted, draft_ms=draft_ms, verify_ms=verify_ms))
         if on_round is not None:
             on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
     if verifier.device.type == "cuda":
@@ -296,9 +264,7 @@ def autoregressive_generate(
     verifier = as_cached(verifier)
     prompt = _check_prompt(prompt_ids, config)
     params = config.sampling
-    _, g_verify = make_generators(config.seed, verifier.device, verifier.device)
-    if config.seed is not None:
-        g_verify.manual_seed(int(config.seed) % (2**63))  # direct sampling: the seed itself
+    g_verify = rounds.generator(config.seed, verifier.device)  # direct sampling: the seed itself
     eos = tuple(config.eos_token_ids)
     limit = config.max_length
     result = GenerationResult(token_ids=[], mode="autoregressive", prompt_tokens=len(prompt))
@@ -310,11 +276,9 @@ def autoregressive_generate(
     reason = None
     n = len(prompt)
     while reason is None:
-        if len(generated) >= config.max_new_tokens:
-            reason = "length"
-            break
-        if limit is not None and n >= limit:
-            reason = "context"
+        remaining = config.max_new_tokens - len(generated)
+        reason = rounds.stop_before_block(remaining, rounds.room(remaining, n, limit))
+        if reason is not None:
             break
         logits = verifier.extend(pending).logits  # [1, V]
         if params.greedy:

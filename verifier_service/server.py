@@ -19,6 +19,7 @@ from typing import Optional
 import grpc
 import torch
 
+from steerspec import rounds
 from steerspec import wire
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
@@ -125,8 +126,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 "steering was requested but this verifier has no SD² steering head; start it "
                                 "with --steering-head DIR or open the session with steering=false")
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed((int(msg.seed) + 1) % (2**63))  # the verifier's stream is seed + 1 (engine.py)
+        generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
         session = self.table.open(msg.session_id, len(prompt_ids), max_k, pending=prompt_ids[-1], params=params,
                                   generator=generator, steering=bool(msg.steering))

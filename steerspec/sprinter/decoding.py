@@ -21,8 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from steerspec.engine import (DecodeConfig, DrafterSteering, RoundRecord, _check_prompt, _commit,
-                              make_generators, prefill)
+from steerspec import rounds
+from steerspec.engine import DecodeConfig, DrafterSteering, RoundRecord, _check_prompt, prefill
+from steerspec.rounds import BlockStats, make_generators
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
 from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
@@ -220,39 +221,31 @@ def sprinter_generate(
     while reason is None:
         n = len(committed)
         remaining = config.max_new_tokens - len(generated)
-        if remaining <= 0:
-            reason = "length"
-            break
-        room = remaining if limit is None else min(remaining, limit - n)
-        if room <= 0:
-            reason = "context"
+        room = rounds.room(remaining, n, limit)
+        reason = rounds.stop_before_block(remaining, room)
+        if reason is not None:
             break
         if steering is not None:
             steering.begin_block(hidden)
         t0 = time.perf_counter()
-        block, kept = draft_run(drafter, committed, max(min(max_run, room - 1), 0), config, g_draft, scorer, threshold)
+        block, kept = draft_run(drafter, committed, rounds.block_k(max_run, room), config, g_draft, scorer, threshold)
         t1 = time.perf_counter()
         accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config,
                                                                  g_verify, layers)
         t2 = time.perf_counter()
         _label_run(result, block, kept, probs, logits, verifier.vocab_size)
         drafted = int(block.tokens.shape[1])
-        new_tokens = block.tokens[0, :accepted].tolist() + [next_token]
         if drafter.length > n + accepted:
             drafter.rollback(n + accepted)
-        new_tokens, reason = _commit(new_tokens, room, eos)
-        if reason == "length" and room < remaining:
-            reason = "context"
+        new_tokens, reason = rounds.commit_block(block.tokens[0, :accepted].tolist(), accepted, next_token, room,
+                                                 remaining, eos)
         committed.extend(new_tokens)
         generated.extend(new_tokens)
-        result.rounds += 1
-        result.drafted += drafted
-        result.accepted += accepted
-        result.block_drafted.append(drafted)
-        result.block_accepted.append(accepted)
+        draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        rounds.record_block(result, BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted,
+                                               committed=len(new_tokens), rtt_ms=verify_ms, draft_ms=draft_ms,
+                                               verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms))
         result.run_lengths.append(sum(kept))
-        result.draft_s += t1 - t0
-        result.verify_s += t2 - t1
         if on_round is not None:
             on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
     if verifier.device.type == "cuda":
