@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
+from steerspec import security
 from steerspec.errors import UsageError
 from steerspec.linkemu import add_link_arguments, link_from_args
 from steerspec.targets import parse_targets
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-lossy", action="store_true",
                         help="accept lossy verification requests (sprinter); without it they get FAILED_PRECONDITION")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
+    security.add_arguments(parser)
 
 
 def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]]:
@@ -116,6 +118,7 @@ def run(args) -> int:
     if args.heartbeat_ttl_s <= 0:
         raise UsageError("--heartbeat-ttl-s must be > 0")
     check_port(args.port)
+    security.configure_from_args(args, host=args.host)
     if args.metrics_port is not None:
         check_port(args.metrics_port, "--metrics-port")
     if not parse_targets(args.verifier, "--verifier") and not args.redis_url:

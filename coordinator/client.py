@@ -29,10 +29,12 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
 
+if TYPE_CHECKING:
+    from steerspec.security import ClientSecurity
 from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -144,11 +146,37 @@ class _Dedup:
         return Chunk(seq=chunk.seq, token_ids=fresh, text=text, accepted=chunk.accepted, drafted=chunk.drafted)
 
 
+def _security():
+    from steerspec import security
+
+    return security
+
+
+def default_seed(seed: Optional[int], temperature: float) -> int:
+    """`seed`, else 0 for greedy decoding and a fresh random seed at T > 0 (so calls differ)."""
+    if seed is not None:
+        return int(seed)
+    return random.getrandbits(62) if temperature > 0 else 0
+
+
 class Client:
     """A connection to a coordinator; `generate` (sync), `agenerate` (asyncio), `generate_text`."""
 
-    def __init__(self, target: str, *, retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 options: Optional[Sequence] = None) -> None:
+    def __init__(self, target: str, *, retries: int = 10, backoff_s: float = 0.25, max_backoff_s: float = 4.0,
+                 options: Optional[Sequence] = None, token: Optional[str] = None, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 security: Optional["ClientSecurity"] = None) -> None:
+        """`token`: bearer token; `tls_ca` (PEM path) turns TLS on, `tls_cert`/`tls_key` add a client
+        certificate (mTLS); `security` gives all at once (default: $STEERSPEC_TLS_CA / $STEERSPEC_TOKEN).
+        The default retry budget (10 jittered backoffs, >= 14 s) outlasts a coordinator restart."""
+        from steerspec import security as sec
+
+        if security is None:
+            if token or tls_ca or tls_cert:
+                security = sec.client_security(tls_ca, tls_cert, tls_key, token=token)
+            else:
+                security = sec.current_client()
+        self.security = security
         self.target = target
         self.retries = retries
         self.backoff_s = backoff_s
@@ -183,14 +211,15 @@ class Client:
 
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.target, options=self._options)
+            self._channel = _security().sync_channel(self.target, self._options, self.security)
         return coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def _astub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         loop_id = id(asyncio.get_running_loop())
         channel = self._achannels.get(loop_id)
         if channel is None:
-            channel = self._achannels[loop_id] = grpc.aio.insecure_channel(self.target, options=self._options)
+            channel = self._achannels[loop_id] = _security().aio_channel(self.target, self._options,
+                                                                              self.security)
         return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
     def _backoff(self, attempt: int) -> float:
@@ -210,12 +239,14 @@ class Client:
     # -- calls ------------------------------------------------------------------------------
     def generate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, k: int = 4, draft_top_k: int = 64, mode: str = "speculative", policy: str = "fixed",
+                 seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
+                 policy: str = "fixed",
                  steering: bool = False, session_id: Optional[str] = None,
                  timeout: Optional[float] = None, verification: str = "exact") -> Iterator[Item]:
         """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, k=k, draft_top_k=draft_top_k, mode=mode, policy=policy,
+                           top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
+                           mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
@@ -241,12 +272,13 @@ class Client:
 
     async def agenerate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
                         max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        seed: int = 0, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
+                        seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
                         policy: str = "fixed", steering: bool = False, session_id: Optional[str] = None,
                         timeout: Optional[float] = None, verification: str = "exact") -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, k=k, draft_top_k=draft_top_k, mode=mode, policy=policy,
+                           top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
+                           mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()

@@ -17,6 +17,7 @@ environment when Ray is imported through `import_ray`, not when a module is impo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -232,17 +233,20 @@ def run_distributed(args, prompt_ids: Sequence[int]):
 
 
 async def _generate_once(services: Services, deployment: str, args, prompt_ids: List[int]):
+    from coordinator.client import Client
     from coordinator.summary import result_from_summary
 
-    async with launch(services, deployment) as running:
+    remote = _arg(args, "coordinator", None)
+    async with (contextlib.nullcontext(None) if remote else launch(services, deployment)) as running:
         start = time.perf_counter()
-        async with running.client(retries=2) as client:
+        async with (Client(remote) if remote else running.client(retries=2)) as client:
             summary = await client.acomplete(
                 prompt_ids=prompt_ids, max_new_tokens=int(_arg(args, "max_new_tokens", 64)),
                 temperature=float(_arg(args, "temperature", 0.0)), top_k=int(_arg(args, "top_k", 0)),
                 top_p=float(_arg(args, "top_p", 1.0)), seed=int(_arg(args, "seed", 0)), k=int(_arg(args, "k", 4)),
                 draft_top_k=int(_arg(args, "draft_top_k", 64)), mode=_arg(args, "mode", "speculative"),
-                policy=str(_arg(args, "policy", "fixed")), steering=running.steering,
+                policy=str(_arg(args, "policy", "fixed")),
+                steering=bool(running.steering) if running else False,
                 timeout=float(_arg(args, "timeout", 600.0)))
         wall = time.perf_counter() - start
     return result_from_summary(summary, prompt_tokens=len(prompt_ids), mode=_arg(args, "mode", "speculative"),

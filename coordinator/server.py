@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace as otel_trace
 
+from coordinator.admission import Admission
 from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
@@ -76,6 +77,7 @@ class Coordinator:
         drafters = list(drafters)
         self.static = [("verifier", a) for a in verifiers] + [("drafter", a) for a in drafters]
         self.tokenizer = tokenizer
+        self.admission = Admission(tokenizer, max_length)
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
@@ -113,16 +115,18 @@ class Coordinator:
         await self.channels.close()
 
     # -- requests ---------------------------------------------------------------------------
-    def session_request(self, request: coordinator_pb2.GenerateRequest) -> SessionRequest:
-        """GenerateRequest -> validated SessionRequest (SessionError INVALID_ARGUMENT when bad)."""
+    def session_request(self, request: coordinator_pb2.GenerateRequest,
+                        prompt_ids: Optional[List[int]] = None) -> SessionRequest:
+        """GenerateRequest -> validated SessionRequest (SessionError INVALID_ARGUMENT when bad);
+        `prompt_ids`: the text prompt already tokenised (`Admission.prompt_ids`, off the event loop)."""
         if request.prompt and request.prompt_ids:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "send either prompt (text) or prompt_ids, not both")
-        if request.prompt:
+        if prompt_ids is None and request.prompt:
             if self.tokenizer is None:
                 raise SessionError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "this coordinator has no tokenizer: send prompt_ids instead of prompt text")
             prompt_ids = list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
-        else:
+        elif prompt_ids is None:
             prompt_ids = list(request.prompt_ids)
         check_verification(request.verification, self.allow_lossy)
         d = self.defaults
@@ -210,7 +214,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def Generate(self, request, context):
         try:
-            session = self.coordinator.session_request(request)
+            session = self.coordinator.session_request(request, await self.coordinator.admission.prompt_ids(request))
         except SessionError as exc:
             await context.abort(exc.code, exc.message)
         remaining = context.time_remaining()

@@ -11,6 +11,7 @@ from typing import Dict, Optional
 
 import grpc
 
+from steerspec import security
 from steerspec.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
@@ -45,7 +46,7 @@ class Channels:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+            channel = self._channels[address] = security.aio_channel(address, self._options)
         return channel
 
     def verifier(self, address: str) -> verifier_pb2_grpc.VerifierServiceStub:

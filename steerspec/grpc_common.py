@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
@@ -23,6 +23,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from steerspec.errors import UsageError
+
+if TYPE_CHECKING:
+    from steerspec.security import ServerSecurity
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 Registration = Tuple[Callable[[object, grpc.aio.Server], None], object]
@@ -84,9 +87,18 @@ async def start_server(
     port: int = 0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Optional[Sequence[grpc.aio.ServerInterceptor]] = None,
+    security: Optional["ServerSecurity"] = None,
 ) -> RunningServer:
-    """Start a grpc.aio server with `registrations` plus health and reflection; return it bound."""
-    server = grpc.aio.server(interceptors=list(interceptors or []), options=channel_options(max_message_bytes))
+    """Start a grpc.aio server with `registrations` plus health and reflection; return it bound.
+
+    `security` (default: this process's, `steerspec.security`) adds TLS and token checks; the port
+    is exclusive (no SO_REUSEPORT), so a taken port is a UsageError rather than a silent share."""
+    from steerspec import security as sec
+
+    security = security or sec.current_server()
+    security.check_bind(host)
+    options = channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(interceptors=[*security.interceptors(), *(interceptors or [])], options=options)
     for add, servicer in registrations:
         add(servicer, server)
     health = health_aio.HealthServicer()
@@ -95,7 +107,7 @@ async def start_server(
     reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME], server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = sec.server_port(server, f"{host}:{port}", security)
     except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not this machine's
         bound = 0
     if bound == 0:

@@ -7,7 +7,7 @@ import asyncio
 import os
 import socket
 
-from steerspec import registration
+from steerspec import registration, security
 from steerspec.errors import UsageError
 
 
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     registration.add_arguments(parser)
+    security.add_arguments(parser)
 
 
 def load_verifier(model: str, dtype: str, device: str, device_map=None):
@@ -93,6 +94,7 @@ def run(args) -> int:
     from steerspec.grpc_common import check_port
 
     check_port(args.port)
+    security.configure_from_args(args, host=args.host)
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     if args.batch_window_ms < 0:

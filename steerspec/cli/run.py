@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "OTEL_EXPORTER_OTLP_ENDPOINT, when set, exports over OTLP instead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_verification_arguments(parser)
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="grpc transport: use this running coordinator instead of deploying the services "
+                             "(with --tls-ca / --token-file when it requires TLS or a token)")
+    from steerspec import security
+
+    security.add_arguments(parser, serving=False)
 
 
 def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
@@ -275,6 +281,9 @@ def _torch_threads() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from steerspec import security
+
+    security.configure_from_args(args)
     result, _ = generate(args)
     if args.json:
         payload = dict(result.to_json())
