@@ -20,7 +20,7 @@ The drafter samples from draft_distribution(probs_from_logits(logits, T, top_k, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -29,29 +29,13 @@ from torch import Tensor
 from steerspec import fastpath
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
-from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep
+from steerspec.policies.base import BlockFeedback, DraftLengthPolicy
 from steerspec.policies.fixed import FixedK
 from steerspec import rounds
-from steerspec.rounds import BlockStats, make_generators
-from steerspec.sampling import SamplingParams, SparseDist, draft_distribution, probs_from_logits, sample, sample_sparse
+from steerspec.drafting import DraftRow, draft_blocks
+from steerspec.rounds import BlockStats, DecodeConfig, make_generators  # noqa: F401  (DecodeConfig re-exported)
+from steerspec.sampling import probs_from_logits, sample
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode: sampling parameters, draft top-K, limits, seed."""
-
-    max_new_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    draft_top_k: int = 64
-    draft_tail: bool = True  # spread the mass outside the draft top-K evenly (sampling.draft_distribution)
-    seed: Optional[int] = None
-    eos_token_ids: Tuple[int, ...] = ()
-    max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
-
-    @property
-    def greedy(self) -> bool:
-        return self.sampling.greedy
 
 
 class DrafterSteering(Protocol):
@@ -106,39 +90,12 @@ def draft_block(
     generator: Optional[torch.Generator] = None,
     policy: Optional[DraftLengthPolicy] = None,
 ) -> DraftBlock:
-    """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy)."""
+    """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy).
+
+    The same draft loop as the drafter service (steerspec/drafting.py), with a batch of one."""
     if fastpath.applies(drafter, policy):  # device sampling, one host copy per block (CUDA)
         return fastpath.draft_block(drafter, committed, k, config, generator)
-    params = config.sampling
-    greedy = params.greedy
-    stops_early = policy is not None and getattr(policy, "stops_early", False)
-    feed: object = committed[drafter.length:]
-    tokens: List[Tensor] = []
-    q_rows: List[SparseDist] = []
-    for i in range(k):
-        logits = drafter.extend(feed, logits_to_keep=1).logits  # [1, V]
-        if greedy:
-            token = logits.argmax(-1)  # [1]
-            probs = logits.softmax(-1)[0] if stops_early else None
-        else:
-            probs_full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-            dist = draft_distribution(probs_full, config.draft_top_k, config.draft_tail)
-            token = sample_sparse(dist, generator)  # [1]
-            q_rows.append(dist)
-            probs = probs_full[0]
-        tokens.append(token)
-        if stops_early and i + 1 < k and policy.observe(DraftStep(i, int(token), probs)):
-            break
-        feed = token
-    if tokens:
-        block_tokens = torch.cat(tokens).view(1, -1)
-    else:
-        block_tokens = torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
-    lengths = torch.tensor([len(tokens)], device=drafter.device)
-    q = None
-    if not greedy and tokens:
-        q = SparseDist.stack(q_rows, dim=1)  # [1, K, S]
-    return DraftBlock(tokens=block_tokens, lengths=lengths, q=q)
+    return draft_blocks([DraftRow(drafter, committed, k, config, generator, policy)])[0]  # a batch of one
 
 
 def verify_block(
