@@ -35,7 +35,9 @@ from steerspec import rounds
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.rounds import BlockStats, DecodeConfig, make_generators  # noqa: F401  (DecodeConfig re-exported)
 from steerspec.sampling import probs_from_logits, sample
-from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
+from steerspec.speculative import DraftBlock, VerifyOutcome
+from steerspec import verifying
+from steerspec.verifying import VerifyRow
 
 
 class DrafterSteering(Protocol):
@@ -106,7 +108,8 @@ def verify_block(
     generator: Optional[torch.Generator] = None,
     hidden_layers: Optional[Sequence[int]] = None,
 ) -> Tuple[VerifyOutcome, Optional[Tensor]]:
-    """Score [pending, d_1..d_k] in one forward pass, accept/reject, roll the verifier back.
+    """Score [pending, d_1..d_k] in one forward pass, accept/reject (steerspec/verifying.py, the
+    verifier service's acceptance too), roll the verifier back.
 
     Returns the outcome and, when `hidden_layers` is given, the hidden states [L, D] at the
     position whose logits produced the new pending token (for the next steering vector).
@@ -118,16 +121,8 @@ def verify_block(
     drafts = block.tokens[0].to(device)
     feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), drafts])
     out = verifier.extend(feed, hidden_layers)
-    logits = out.logits.unsqueeze(0)  # [1, k+1, V]
-    if block.tokens.device != device:
-        block = DraftBlock(block.tokens.to(device), block.lengths.to(device),
-                           None if block.q is None else block.q.map(lambda t: t.to(device)))
-    params = config.sampling
-    if params.greedy:
-        outcome = greedy_verify(logits, block)
-    else:
-        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-        outcome = rejection_sample(probs, block, generator)
+    q = None if block.q is None or config.greedy else block.q.map(lambda t: t[0].to(device))
+    outcome = verifying.accept([VerifyRow(out.logits, drafts, q, config.sampling, generator)])  # a batch of one
     accepted = int(outcome.accepted[0])
     verifier.rollback(start + 1 + accepted)
     hidden = out.hidden[:, accepted] if hidden_layers else None
