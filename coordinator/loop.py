@@ -177,6 +177,7 @@ class SessionLoop:
         self._placed: List[tuple] = []
         self._drafter_ok = False  # the drafter stream is in step with the committed prefix
         self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
+        self.policy_state = ""  # the drafter policy's last reported state (JSON): a reopened drafter resumes it
 
     # -- helpers ----------------------------------------------------------------------------
     @property
@@ -297,7 +298,7 @@ class SessionLoop:
             opening = drafter_pb2.DraftOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), k=self.req.k, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
-                max_new_tokens=self.remaining)
+                max_new_tokens=self.remaining, policy_state=self.policy_state)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             try:
@@ -330,6 +331,9 @@ class SessionLoop:
             if kind == "error":
                 raise _stream_error("drafter", self.drafter.address, reply.error)
             block = reply.block
+            if block.policy_state:
+                self.policy_state = block.policy_state
+                block.ClearField("policy_state")  # the drafter's business: not forwarded to the verifier
             if block.committed_length != self.committed_length:
                 raise SessionError(grpc.StatusCode.INTERNAL,
                                    f"drafter {self.drafter.address} drafted from {block.committed_length} committed "
@@ -418,7 +422,8 @@ class SessionLoop:
                     self._draft_asked = committed_at
                     try:
                         await self.drafter.write(drafter_pb2.DraftRequest(
-                            feedback=drafter_pb2.DraftFeedback(result=result, want_block=not finish)))
+                            feedback=drafter_pb2.DraftFeedback(result=result, want_block=not finish,
+                                                               draft_ms=draft_wait_ms, network_ms=network_ms)))
                     except ReplicaLost as lost:
                         await self._replica_lost(lost)
                         self._drafter_ok = False  # reopened from the committed prefix before the next block

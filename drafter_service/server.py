@@ -23,13 +23,14 @@ import torch
 
 from steerspec import rounds
 from steerspec import wire
-from steerspec.policies.base import MAX_K
+from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from steerspec.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.wire import ProtocolError, code_number
 from drafter_service.batcher import DraftBatcher
-from drafter_service.sessions import Drafter, DrafterSession, DrafterSessionTable, Proposal, resolve_policy
+from drafter_service.sessions import (Drafter, DrafterSession, DrafterSessionTable, Proposal, load_policy_state,
+                                     policy_state, resolve_policy)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "steerspec.v1.DrafterService"
@@ -131,6 +132,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         policy = resolve_policy(msg.policy, k)
+        if msg.policy_state:
+            load_policy_state(policy, msg.policy_state)
         steering = self._steering(msg.steering, "DraftOpen.steering")
         generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)
         ids = prompt.tolist()
@@ -146,6 +149,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
+        block.policy_state = policy_state(session.policy)
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,
                                       start_ns + int(out.draft_ms * 1e6), block=session.seq, k=len(out.draft_ids),
@@ -195,7 +199,10 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         except ProtocolError as exc:
             return _error(exc.code, exc.message, msg.result.seq)
         result = msg.result
-        self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering)
+        timing = BlockFeedback(int(result.accepted), len(session.proposal.draft_ids), draft_ms=float(msg.draft_ms),
+                               verify_ms=float(result.verify_ms), queue_ms=float(result.queue_ms),
+                               network_ms=float(msg.network_ms))
+        self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing)
         if not msg.want_block:
             return None
         return await self._propose(session)

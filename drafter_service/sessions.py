@@ -11,6 +11,8 @@ steerspec/drafting.py): one batched forward pass per draft step, each session as
 
 from __future__ import annotations
 
+import json
+
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,6 +44,23 @@ def resolve_policy(spec: str, k: int):
         return make_policy(spec)
     except PolicyError as exc:
         raise invalid(str(exc)) from None
+
+
+def policy_state(policy) -> str:
+    """The policy's state as JSON for the wire ("" when it keeps none, so fixed policies cost no bytes)."""
+    state = policy.state_dict()
+    return json.dumps(state, separators=(",", ":")) if state else ""
+
+
+def load_policy_state(policy, text: str) -> None:
+    """Restore a policy's state sent by the coordinator after a failover (INVALID_ARGUMENT if unusable)."""
+    try:
+        state = json.loads(text)
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        policy.load_state_dict(state)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise invalid(f"DraftOpen.policy_state is not a state of policy {getattr(policy, 'name', '?')}: {exc}") from None
 
 
 @dataclass
@@ -173,6 +192,8 @@ class Drafter:
         if self.hooks is None or session.steering is None:
             return row
         lm = session.lm
+        lm.keep_last_hidden = bool(getattr(session.policy, "stops_early", False)
+                                   and getattr(session.policy, "needs_hidden", False))
         if k > 0 and len(session.committed) - lm.length != 1:
             self._steer(session)
             try:
@@ -183,7 +204,7 @@ class Drafter:
         return row
 
     def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,
-                       steering: Optional[Tensor]) -> None:
+                       steering: Optional[Tensor], timing: Optional[BlockFeedback] = None) -> None:
         """Commit d_1..d_a and the next token; roll the cache back to min(len, n + a)."""
         proposal = session.proposal
         n = proposal.committed_length
@@ -192,7 +213,7 @@ class Drafter:
         if session.lm.length > n + accepted:
             session.lm.rollback(n + accepted)
         if proposal.draft_ids:
-            session.policy.update(BlockFeedback(accepted, len(proposal.draft_ids)))
+            session.policy.update(timing or BlockFeedback(accepted, len(proposal.draft_ids)))
         if steering is not None:
             session.steering = steering
         session.proposal = None

@@ -1,4 +1,7 @@
-"""Batched drafting: `draft_block` for several sessions with one forward pass per draft step.
+"""The one draft loop: blocks for several sessions with one forward pass per draft step.
+
+The drafter service drafts its sessions' blocks here; the in-process engine's `draft_block` is a
+batch of one through the same loop.
 
 Each row is one session (its own cache, committed sequence, k, sampling parameters, generator
 and policy). Step 0 feeds committed[lm.length:]: rows whose feed is one token join the batched
@@ -6,10 +9,14 @@ pass; a longer feed (a new prompt, or the last draft plus the bonus token) runs 
 Later steps feed each row its last draft. A row leaves the batch when its block is complete
 (its own k) or its policy stops early.
 
-Per row the result is what `steerspec.engine.draft_block` gives for that session alone: the same
-warping, top-K truncation and fp16 wire rounding, and sampling from the row's *own* generator in
-the same order of draws. Only the batched matmuls differ from the single-row ones (~1e-6 in the
-logits; see steerspec/models/batched.py).
+Per row the result is what a batch of one gives for that session alone: the same warping, top-K
+truncation and sampling from the row's *own* generator in the same order of draws. Only the
+batched matmuls differ from the single-row ones (~1e-6 in the logits; see models/batched.py).
+
+Policies (steerspec/policies/base.py): a stopping policy sees each drafted token with the drafter's
+distribution exactly as the sampler used it (temperature/top-k/top-p warped; greedy rows: the
+temperature-1 softmax under the same top-k/top-p) and, when it declares `needs_hidden`, the
+drafter's final hidden state at the position that produced the token.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 from torch import Tensor
 
 from steerspec import fastpath
-from steerspec.engine import DecodeConfig
+from steerspec.rounds import DecodeConfig
 from steerspec.models.batched import batched_extend
 from steerspec.models.kv import CachedLM
 from steerspec.policies.base import DraftLengthPolicy, DraftStep
@@ -68,7 +75,9 @@ def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequen
             chosen = sub.argmax(-1)
             tokens[members] = chosen
             for r, j in enumerate(members):
-                _maybe_stop(rows[j], drafted[j], step, chosen[r], lambda: sub[r : r + 1].softmax(-1)[0])
+                params = rows[j].config.sampling
+                _maybe_stop(rows[j], drafted[j], step, chosen[r],
+                            lambda: probs_from_logits(sub[r : r + 1], 1.0, params.top_k, params.top_p)[0])
             continue
         temperature, top_k, top_p, draft_top_k, draft_tail = key
         probs_full = probs_from_logits(sub, temperature, top_k, top_p)
@@ -82,11 +91,17 @@ def _choose(rows: Sequence[DraftRow], logits: Tensor, step: int, drafted: Sequen
     return tokens
 
 
+def _wants_hidden(row: DraftRow) -> bool:
+    policy = row.policy
+    return policy is not None and getattr(policy, "stops_early", False) and getattr(policy, "needs_hidden", False)
+
+
 def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, token: Tensor, probs) -> None:
-    """Ask a stopping policy after draft `step`, as `draft_block` does (probs built only then)."""
+    """Ask a stopping policy after draft `step` (probs built only then; hidden when it needs it)."""
     policy = row.policy
     if policy is not None and getattr(policy, "stops_early", False) and step + 1 < row.k:
-        drafted.stopped = bool(policy.observe(DraftStep(step, int(token), probs())))
+        hidden = row.lm.last_hidden if _wants_hidden(row) else None
+        drafted.stopped = bool(policy.observe(DraftStep(step, int(token), probs(), hidden)))
 
 
 def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
@@ -113,11 +128,11 @@ def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
 
 
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
-    """`draft_block` for every row at once; returns one batch-1 DraftBlock per row."""
+    """Every row's next block at once; returns one batch-1 DraftBlock per row."""
     if fastpath.applies_any(rows):  # device sampling, one host copy (CUDA); stopping policies stay here
         return fastpath.draft_blocks_split(rows, draft_blocks)
-    if any(_needs_hidden(row) for row in rows):  # hidden-state policies draft alone (engine.draft_block)
-        return _split_hidden(rows)
+    for row in rows:
+        row.lm.keep_last_hidden = _wants_hidden(row)
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0
@@ -136,30 +151,8 @@ def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     return [_block(row, d) for row, d in zip(rows, drafted)]
 
 
-def _needs_hidden(row: DraftRow) -> bool:
-    policy = row.policy
-    return bool(policy is not None and getattr(policy, "stops_early", False) and getattr(policy, "needs_hidden", False))
-
-
-def _split_hidden(rows: Sequence[DraftRow]) -> List[DraftBlock]:
-    """Rows whose policy reads hidden states draft alone through `engine.draft_block` (same draws);
-    the others still draft batched."""
-    from steerspec.engine import draft_block
-
-    blocks: List[Optional[DraftBlock]] = [None] * len(rows)
-    rest = [i for i, row in enumerate(rows) if not _needs_hidden(row)]
-    for i, row in enumerate(rows):
-        if _needs_hidden(row):
-            if row.first_logits is not None:
-                raise ValueError("a hidden-state policy cannot reuse first_logits")
-            blocks[i] = draft_block(row.lm, row.committed, row.k, row.config, row.generator, row.policy)
-    for i, block in zip(rest, draft_blocks([rows[i] for i in rest]) if rest else []):
-        blocks[i] = block
-    return blocks  # type: ignore[return-value]
-
-
 def _block(row: DraftRow, drafted: _Drafted) -> DraftBlock:
-    """The DraftBlock `draft_block` would return for this row's drafts."""
+    """This row's drafts as a batch-1 DraftBlock (q None when greedy)."""
     device = row.lm.device
     if drafted.tokens:
         tokens = torch.cat(drafted.tokens).view(1, -1)

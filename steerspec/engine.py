@@ -20,7 +20,7 @@ The drafter samples from draft_distribution(probs_from_logits(logits, T, top_k, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -29,29 +29,15 @@ from torch import Tensor
 from steerspec import fastpath
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
-from steerspec.policies.base import BlockFeedback, DraftLengthPolicy, DraftStep
+from steerspec.policies.base import BlockFeedback, DraftLengthPolicy
 from steerspec.policies.fixed import FixedK
 from steerspec import rounds
-from steerspec.rounds import BlockStats, make_generators
-from steerspec.sampling import SamplingParams, SparseDist, draft_distribution, probs_from_logits, sample, sample_sparse
-from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode: sampling parameters, draft top-K, limits, seed."""
-
-    max_new_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    draft_top_k: int = 64
-    draft_tail: bool = True  # spread the mass outside the draft top-K evenly (sampling.draft_distribution)
-    seed: Optional[int] = None
-    eos_token_ids: Tuple[int, ...] = ()
-    max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
-
-    @property
-    def greedy(self) -> bool:
-        return self.sampling.greedy
+from steerspec.drafting import DraftRow, draft_blocks
+from steerspec.rounds import BlockStats, DecodeConfig, make_generators  # noqa: F401  (DecodeConfig re-exported)
+from steerspec.sampling import probs_from_logits, sample
+from steerspec.speculative import DraftBlock, VerifyOutcome
+from steerspec import verifying
+from steerspec.verifying import VerifyRow
 
 
 class DrafterSteering(Protocol):
@@ -106,45 +92,12 @@ def draft_block(
     generator: Optional[torch.Generator] = None,
     policy: Optional[DraftLengthPolicy] = None,
 ) -> DraftBlock:
-    """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy)."""
+    """Propose up to k tokens after `committed`; returns a batch-1 DraftBlock (q None if greedy).
+
+    The same draft loop as the drafter service (steerspec/drafting.py), with a batch of one."""
     if fastpath.applies(drafter, policy):  # device sampling, one host copy per block (CUDA)
         return fastpath.draft_block(drafter, committed, k, config, generator)
-    params = config.sampling
-    greedy = params.greedy
-    stops_early = policy is not None and getattr(policy, "stops_early", False)
-    feed: object = committed[drafter.length:]
-    tokens: List[Tensor] = []
-    q_rows: List[SparseDist] = []
-    want_hidden = stops_early and getattr(policy, "needs_hidden", False)
-    final = [drafter.num_layers] if want_hidden else None  # the final-normed state (policies/heads.py)
-    hidden = None
-    for i in range(k):
-        out = drafter.extend(feed, final, logits_to_keep=1)
-        logits = out.logits  # [1, V]
-        if want_hidden:
-            hidden = out.hidden[0, -1]  # [D]
-        if greedy:
-            token = logits.argmax(-1)  # [1]
-            probs = logits.softmax(-1)[0] if stops_early else None
-        else:
-            probs_full = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-            dist = draft_distribution(probs_full, config.draft_top_k, config.draft_tail)
-            token = sample_sparse(dist, generator)  # [1]
-            q_rows.append(dist)
-            probs = probs_full[0]
-        tokens.append(token)
-        if stops_early and i + 1 < k and policy.observe(DraftStep(i, int(token), probs, hidden)):
-            break
-        feed = token
-    if tokens:
-        block_tokens = torch.cat(tokens).view(1, -1)
-    else:
-        block_tokens = torch.zeros(1, 0, dtype=torch.long, device=drafter.device)
-    lengths = torch.tensor([len(tokens)], device=drafter.device)
-    q = None
-    if not greedy and tokens:
-        q = SparseDist.stack(q_rows, dim=1)  # [1, K, S]
-    return DraftBlock(tokens=block_tokens, lengths=lengths, q=q)
+    return draft_blocks([DraftRow(drafter, committed, k, config, generator, policy)])[0]  # a batch of one
 
 
 def verify_block(
@@ -155,7 +108,8 @@ def verify_block(
     generator: Optional[torch.Generator] = None,
     hidden_layers: Optional[Sequence[int]] = None,
 ) -> Tuple[VerifyOutcome, Optional[Tensor]]:
-    """Score [pending, d_1..d_k] in one forward pass, accept/reject, roll the verifier back.
+    """Score [pending, d_1..d_k] in one forward pass, accept/reject (steerspec/verifying.py, the
+    verifier service's acceptance too), roll the verifier back.
 
     Returns the outcome and, when `hidden_layers` is given, the hidden states [L, D] at the
     position whose logits produced the new pending token (for the next steering vector).
@@ -167,16 +121,8 @@ def verify_block(
     drafts = block.tokens[0].to(device)
     feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), drafts])
     out = verifier.extend(feed, hidden_layers)
-    logits = out.logits.unsqueeze(0)  # [1, k+1, V]
-    if block.tokens.device != device:
-        block = DraftBlock(block.tokens.to(device), block.lengths.to(device),
-                           None if block.q is None else block.q.map(lambda t: t.to(device)))
-    params = config.sampling
-    if params.greedy:
-        outcome = greedy_verify(logits, block)
-    else:
-        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-        outcome = rejection_sample(probs, block, generator)
+    q = None if block.q is None or config.greedy else block.q.map(lambda t: t[0].to(device))
+    outcome = verifying.accept([VerifyRow(out.logits, drafts, q, config.sampling, generator)])  # a batch of one
     accepted = int(outcome.accepted[0])
     verifier.rollback(start + 1 + accepted)
     hidden = out.hidden[:, accepted] if hidden_layers else None

@@ -11,14 +11,32 @@ Verifier-only decoding samples directly with the seed itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from steerspec.metrics import GenerationResult
+from steerspec.sampling import SamplingParams
 
 _SEED_MOD = 2**63
+
+
+@dataclass
+class DecodeConfig:
+    """How to decode: sampling parameters, draft top-K, limits, seed."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    draft_top_k: int = 64
+    draft_tail: bool = True  # spread the mass outside the draft top-K evenly (sampling.draft_distribution)
+    seed: Optional[int] = None
+    eos_token_ids: Tuple[int, ...] = ()
+    max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
 
 
 # -- seeds ---------------------------------------------------------------------------------------

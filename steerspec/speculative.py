@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from steerspec.sampling import Generators, SparseDist, sample, uniform
+from steerspec.sampling import Generators, SparseDist, _row_generators, sample, uniform
 
 
 @dataclass
@@ -68,7 +68,8 @@ def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generat
     """Speculative sampling (Leviathan et al.; Chen et al.) for a batch of ragged blocks.
 
     target_probs [B, K+1, V] are the verifier's warped probabilities (one-hot rows for greedy
-    sessions); `generator` is one torch.Generator or one per row, for seeded determinism.
+    sessions); `generator` is one torch.Generator or one per row, for seeded determinism (one per
+    row: each row draws its own k uniforms and one token, exactly as it would alone).
     """
     batch, width = block.tokens.shape
     vocab = target_probs.shape[-1]
@@ -82,7 +83,12 @@ def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generat
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = block.q.prob_of(tokens).to(p_draft.dtype)
-    u = uniform((batch, width), generator, device=device)
+    if generator is None or isinstance(generator, torch.Generator):
+        u = uniform((batch, width), generator, device=device)
+    else:  # one generator per row: each row draws its own k uniforms, as it would alone
+        u = torch.ones(batch, width, device=device)
+        for i, (g, k) in enumerate(zip(_row_generators(generator, batch), block.lengths.tolist())):
+            u[i, :k] = uniform((k,), g, device=device)
     # u * q < p  <=>  u < p / q; rejects when p = 0 and when q = 0 (a token the drafter could not draw).
     accept = (u * q_draft < p_draft) & (q_draft > 0) & valid
     accepted = _leading_true(accept)

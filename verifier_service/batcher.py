@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from steerspec.batching import WindowBatcher
-from steerspec.sampling import probs_from_logits
-from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
+from steerspec import verifying
+from steerspec.verifying import VerifyRow
 from steerspec.wire import WireBlock
 from verifier_service import fast_verify
 from verifier_service.sessions import VerifierSession
@@ -186,39 +186,15 @@ class VerifyRunner:
         return out.logits, out.hidden_states, new_kv
 
     def _accept(self, jobs: List[VerifyJob], logits: Tensor):
-        """Per-session acceptance (greedy sessions together; sampling ones with their own generator)."""
-        batch = len(jobs)
-        accepted = [0] * batch
-        next_tokens = [0] * batch
-        is_bonus = [False] * batch
-        greedy_rows = [i for i, job in enumerate(jobs) if job.session.greedy]
-        if greedy_rows:
-            ks = [jobs[i].block.k for i in greedy_rows]
-            width = max(ks)
-            tokens = torch.zeros(len(greedy_rows), width, dtype=torch.long)
-            for r, i in enumerate(greedy_rows):
-                tokens[r, : ks[r]] = torch.from_numpy(jobs[i].block.draft_ids)
-            rows = logits[greedy_rows, : width + 1] if len(greedy_rows) < batch else logits[:, : width + 1]
-            block = DraftBlock(tokens=tokens.to(rows.device), lengths=torch.tensor(ks, device=rows.device))
-            outcome = greedy_verify(rows, block)
-            acc, nxt, bon = outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()
-            for r, i in enumerate(greedy_rows):
-                accepted[i], next_tokens[i], is_bonus[i] = int(acc[r]), int(nxt[r]), bool(bon[r])
+        """Every session's acceptance in one call (steerspec/verifying.py; one generator per row)."""
+        rows = []
         for i, job in enumerate(jobs):
-            if job.session.greedy:
-                continue
-            k, params = job.block.k, job.session.params
-            rows = logits[i : i + 1, : k + 1]
-            probs = probs_from_logits(rows, params.temperature, params.top_k, params.top_p)
-            tokens = torch.from_numpy(job.block.draft_ids).view(1, k).to(rows.device)
-            q = job.block.q
-            if q is not None:
-                q = q.map(lambda t: t.unsqueeze(0).to(rows.device))
-            block = DraftBlock(tokens=tokens, lengths=torch.tensor([k], device=rows.device), q=q)
-            outcome = rejection_sample(probs, block, job.session.generator)
-            accepted[i], next_tokens[i], is_bonus[i] = (int(outcome.accepted[0]), int(outcome.next_tokens[0]),
-                                                       bool(outcome.is_bonus[0]))
-        return accepted, next_tokens, is_bonus
+            q = job.block.q if not job.session.greedy else None
+            rows.append(VerifyRow(logits[i], torch.from_numpy(job.block.draft_ids).to(logits.device),
+                                  None if q is None else q.map(lambda t: t.to(logits.device)),
+                                  job.session.params, job.session.generator))
+        outcome = verifying.accept(rows)
+        return outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()
 
 
 class Batcher(WindowBatcher[VerifyJob, JobResult]):

@@ -65,7 +65,7 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         raise ValueError(f"need one token per sequence: {len(lms)} sequences, {tokens.numel()} tokens")
     if len(lms) == 1:
         return lms[0].extend(tokens, logits_to_keep=1).logits
-    if can_graph(lms, 1):  # a shared static pool: one graphed step for every row (CUDA graph on a GPU)
+    if can_graph(lms, 1) and not any(lm.keep_last_hidden for lm in lms):  # a shared static pool: one graphed step for every row (CUDA graph on a GPU)
         return graphed_step(lms, tokens)
     if not can_batch(lms):
         return torch.cat([lm.extend(tokens[i : i + 1], logits_to_keep=1).logits for i, lm in enumerate(lms)])
@@ -106,4 +106,8 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
     for lm, pos in zip(lms, positions):  # only now: a failed pass leaves every cache as it was
         lm.length = pos + 1
-    return first.project(rms_norm(x, *first._final_norm))
+    normed = rms_norm(x, *first._final_norm)
+    for row, lm in enumerate(lms):
+        if lm.keep_last_hidden:
+            lm.last_hidden = normed[row]
+    return first.project(normed)

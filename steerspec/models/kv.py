@@ -56,6 +56,8 @@ class CachedLM:
         self.vocab_size = int(model.config.vocab_size)
         self._want: frozenset = frozenset()  # layers to capture while a capturing call runs
         self._captured: dict = {}
+        self.keep_last_hidden = False  # keep the final-normed hidden state of the last fed position
+        self.last_hidden: Optional[Tensor] = None  # [D], set by extend when keep_last_hidden
         self._hooked: set = set()
 
     def __repr__(self) -> str:
@@ -108,7 +110,7 @@ class CachedLM:
             self._want = frozenset(hidden_layers)
         try:
             out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=logits_to_keep)
+                             logits_to_keep=logits_to_keep, output_hidden_states=self.keep_last_hidden)
         except BaseException:
             # a failed forward may leave a partial cache behind: drop it to stay consistent
             self._want = frozenset()
@@ -116,6 +118,8 @@ class CachedLM:
             self.reset()
             raise
         self.length += n
+        if self.keep_last_hidden:
+            self.last_hidden = out.hidden_states[-1][0, -1]  # after the final norm (what the LM head read)
         hidden = None
         if hidden_layers:
             self._want = frozenset()
@@ -327,6 +331,8 @@ class FastCachedLM(CachedLM):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         normed = rms_norm(x, *self._final_norm)
+        if self.keep_last_hidden:
+            self.last_hidden = normed[0, -1]
         logits = self.project(normed)[0]
         if self.num_layers in want:
             captured[self.num_layers] = normed[0]

@@ -1,0 +1,70 @@
+"""The policy contract through the services: policy state survives a drafter failover, and every
+block's feedback carries the measured draft, verify, queue and network times."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, List
+
+from coordinator.client import Chunk
+from coordinator.local import LocalCluster
+from steerspec.linkemu import LinkModel
+from steerspec.policies.base import BlockFeedback, PolicyBase
+from steerspec.policies.registry import Key, register
+
+PROMPT = [5, 17, 42, 9]
+NEW_TOKENS = 40
+LOADED: List[Dict[str, Any]] = []  # states restored into a policy (one per failover)
+FEEDBACK: List[BlockFeedback] = []
+
+
+@register("test_counting", {"k": Key(int, 3, "upper bound")}, doc="test: counts blocks, k cycles 1..k")
+class CountingPolicy(PolicyBase):
+    """A policy whose choice depends on its state: a fresh policy after a failover would restart the cycle."""
+
+    name = "test_counting"
+
+    def __init__(self, k: int = 3, context: Any = None) -> None:
+        self.k = self.max_k = int(k)
+        self.blocks = 0
+
+    def next_k(self) -> int:
+        return 1 + self.blocks % self.k
+
+    def update(self, feedback: BlockFeedback) -> None:
+        FEEDBACK.append(feedback)
+        self.blocks += 1
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"blocks": self.blocks}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        LOADED.append(dict(state))
+        self.blocks = int(state["blocks"])
+
+
+async def test_policy_state_survives_a_drafter_failover(tiny_pair):
+    verifier, drafter = tiny_pair
+    LOADED.clear()
+    FEEDBACK.clear()
+    async with LocalCluster(str(verifier), str(drafter), drafters=2, eos_ids=(), link=LinkModel(rtt_ms=4)) as c:
+        by_target = dict(zip(c.drafter_targets, c.drafter_servers))
+        streamed, summary, chunks = [], None, 0
+        async with c.client(retries=0) as client:
+            async for item in client.agenerate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, k=3,
+                                               policy="test_counting:k=3", timeout=60, session_id="policy-fo"):
+                if isinstance(item, Chunk):
+                    streamed.extend(item.token_ids)
+                    chunks += 1
+                    if chunks == 4:
+                        placement = (await c.coordinator.store.get_session("policy-fo")).placement
+                        await by_target[placement["drafter"]].stop(grace=0)
+                else:
+                    summary = item
+    assert summary is not None and summary.resumes == 1 and len(streamed) == NEW_TOKENS
+    assert len(LOADED) == 1 and LOADED[0]["blocks"] >= 2, LOADED  # resumed with its state, not a fresh policy
+    drafted = [f.drafted for f in FEEDBACK]
+    assert drafted[: len(drafted) // 2] and all(1 <= d <= 3 for d in drafted)
+    assert all(f.verify_ms > 0 and f.draft_ms > 0 for f in FEEDBACK)
+    assert all(f.network_ms >= 3.0 for f in FEEDBACK)  # the emulated 4 ms round trip
+    assert all(f.queue_ms >= 0 for f in FEEDBACK)
