@@ -42,6 +42,7 @@ from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, sta
 from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K
+from steerspec.policies.registry import PolicyError, parse_spec
 from steerspec.sampling import SamplingParams
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -115,6 +116,10 @@ class SessionRequest:
         try:
             self.sampling.validate()
         except ValueError as exc:
+            raise _invalid(str(exc)) from None
+        try:
+            parse_spec(self.policy or "fixed")
+        except PolicyError as exc:
             raise _invalid(str(exc)) from None
         if not self.session_id:
             self.session_id = uuid.uuid4().hex

@@ -42,6 +42,7 @@ class DrafterConfig:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     model_name: str = ""
+    policy: str = ""  # draft-length policy for sessions that name none ("" = fixed with the session's k)
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
 
 
@@ -131,7 +132,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
-        policy = resolve_policy(msg.policy, k)
+        policy = resolve_policy(msg.policy or self.config.policy, k)
         if msg.policy_state:
             load_policy_state(policy, msg.policy_state)
         steering = self._steering(msg.steering, "DraftOpen.steering")
