@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context limit (prompt + generated); default: the --tokenizer model's "
                              "max_position_embeddings")
     add_link_arguments(parser)
+    parser.add_argument("--policy", default=None, metavar="SPEC",
+                        help="draft-length policy for requests that name none, NAME[:key=value,...] (default: fixed)")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registry TTL of a replica")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default=None,
@@ -74,6 +76,20 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
     return ()
 
 
+def policy_defaults(spec: Optional[str]) -> dict:
+    """Coordinator defaults for a --policy SPEC (checked now: UsageError lists the known policies)."""
+    if not spec:
+        return {}
+    from steerspec.errors import UsageError
+    from steerspec.policies import PolicyError, parse_spec
+
+    try:
+        parse_spec(spec)
+    except PolicyError as exc:
+        raise UsageError(f"--policy: {exc}") from None
+    return {"policy": spec}
+
+
 async def _main(args) -> int:
     from coordinator.server import Coordinator, serve
     from steerspec.store import open_store
@@ -101,7 +117,8 @@ async def _main(args) -> int:
     coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
-                              max_length=max_length, allow_lossy=args.allow_lossy)
+                              max_length=max_length, allow_lossy=args.allow_lossy,
+                              defaults=policy_defaults(args.policy))
     running = await serve(coordinator, host=args.host, port=args.port)
     print(f"steerspec coordinator serving on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)

@@ -36,12 +36,13 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 import grpc
 
 from coordinator.placement import Placer
-from coordinator.results import BlockStats, Chunk, DistributedResult, block_span
+from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
 from steerspec.store import InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
 from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K
+from steerspec.policies.registry import PolicyError, parse_spec
 from steerspec.sampling import SamplingParams
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -116,6 +117,10 @@ class SessionRequest:
             self.sampling.validate()
         except ValueError as exc:
             raise _invalid(str(exc)) from None
+        try:
+            parse_spec(self.policy or "fixed")
+        except PolicyError as exc:
+            raise _invalid(str(exc)) from None
         if not self.session_id:
             self.session_id = uuid.uuid4().hex
         return self
@@ -177,6 +182,7 @@ class SessionLoop:
         self._placed: List[tuple] = []
         self._drafter_ok = False  # the drafter stream is in step with the committed prefix
         self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
+        self._block_span = None  # the span of the block asked for last (tracing on only)
         self.policy_state = ""  # the drafter policy's last reported state (JSON): a reopened drafter resumes it
 
     # -- helpers ----------------------------------------------------------------------------
@@ -298,7 +304,8 @@ class SessionLoop:
             opening = drafter_pb2.DraftOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), k=self.req.k, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
-                max_new_tokens=self.remaining, policy_state=self.policy_state)
+                max_new_tokens=self.remaining, policy_state=self.policy_state,
+                traceparent=self._begin_block_span())
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             try:
@@ -391,6 +398,11 @@ class SessionLoop:
             while not finish:
                 try:
                     block, cycle_start = await self._next_block()
+                    span = self._take_block_span()
+                    if span is not None:
+                        from steerspec.tracing import traceparent
+
+                        block.traceparent = traceparent(span)  # the verifier's spans become its children
                     _truncate_block(block, self.room - 1)  # a block commits at most k + 1 tokens
                     draft_wait_ms = (time.perf_counter() - cycle_start) * 1000.0
                     result, rtt_ms, network_ms, bytes_up, bytes_down = await self._verify(block)
@@ -422,8 +434,9 @@ class SessionLoop:
                     self._draft_asked = committed_at
                     try:
                         await self.drafter.write(drafter_pb2.DraftRequest(
-                            feedback=drafter_pb2.DraftFeedback(result=result, want_block=not finish,
-                                                               draft_ms=draft_wait_ms, network_ms=network_ms)))
+                            feedback=drafter_pb2.DraftFeedback(
+                                result=result, want_block=not finish, draft_ms=draft_wait_ms, network_ms=network_ms,
+                                traceparent="" if finish else self._begin_block_span())))
                     except ReplicaLost as lost:
                         await self._replica_lost(lost)
                         self._drafter_ok = False  # reopened from the committed prefix before the next block
@@ -433,7 +446,7 @@ class SessionLoop:
                     verify_ms=float(result.verify_ms), cycle_ms=(committed_at - cycle_start) * 1000.0,
                     bytes_up=bytes_up, bytes_down=bytes_down, batch_size=int(result.batch_size),
                     verifier=self.verifier.address)
-                self._record(stats)
+                self._record(stats, span)
                 yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted, drafted=drafted)
             self.result.stop_reason = finish
         finally:
@@ -442,7 +455,24 @@ class SessionLoop:
             for kind, address in list(self._placed):
                 self._unplace(kind, address)
 
-    def _record(self, stats: BlockStats) -> None:
+    def _begin_block_span(self) -> str:
+        """Start the span of the block being asked for now; its traceparent for the drafter ("" untraced)."""
+        if self.cfg.tracer is None:
+            return ""
+        from steerspec.tracing import BLOCK_SPAN, traceparent
+
+        self._block_span = self.cfg.tracer.start_span(BLOCK_SPAN)
+        return traceparent(self._block_span)
+
+    def _take_block_span(self):
+        """The span of the block about to be verified (started now for a verifier-only block)."""
+        span, self._block_span = self._block_span, None
+        if span is None and self.cfg.tracer is not None:
+            self._begin_block_span()
+            span, self._block_span = self._block_span, None
+        return span
+
+    def _record(self, stats: BlockStats, span=None) -> None:
         rounds.record_block(self.result, stats)
         self.result.blocks.append(stats)
         metrics = self.cfg.metrics
@@ -455,9 +485,8 @@ class SessionLoop:
                                                      verify_ms=stats.verify_ms),
                                   bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
                                   committed=stats.committed)
-        tracer = self.cfg.tracer
-        if tracer is not None:
-            block_span(tracer, stats)
+        if span is not None:
+            end_block_span(span, stats)
 
     async def _close_streams(self) -> None:
         """End both streams (cancel when unwinding from an error or a cancellation)."""

@@ -179,8 +179,9 @@ class CoordinatorServer(_ServerActor):
                  rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0, link_seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
                  trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
-                 heartbeat_ttl_s: float = 5.0) -> None:
+                 heartbeat_ttl_s: float = 5.0, policy: str = "") -> None:
         self.verifiers, self.drafters = list(verifiers), list(drafters)
+        self.policy = policy
         self.tokenizer_name = tokenizer
         self.link_args = dict(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, seed=link_seed)
         self.host, self.port, self.redis_url = host, port, redis_url
@@ -215,7 +216,8 @@ class CoordinatorServer(_ServerActor):
         coordinator = Coordinator(store=await open_store(self.redis_url), verifiers=self.verifiers,
                                   drafters=self.drafters,
                                   link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
-                                  metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s)
+                                  metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
+                                  defaults={"policy": self.policy} if self.policy else None)
         self.running = await serve(coordinator, host=host, port=self.port)
         self.coordinator = coordinator
         return self.running.target
@@ -358,6 +360,7 @@ def deploy(
     drafter_options: Optional[Dict[str, object]] = None,
     one_coordinator: bool = False,
     detached: bool = False,
+    policy: str = "",
     timeout: float = 300,
 ) -> Deployment:
     """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
@@ -396,7 +399,7 @@ def deploy(
             ).remote(verifiers=[deployment.verifier_target], drafters=d_targets,
                      tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
                      bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
-                     redis_url=redis_url, trace_file=trace_file, metrics_port=m_port)
+                     redis_url=redis_url, trace_file=trace_file, metrics_port=m_port, policy=policy)
             deployment.coordinators.append(c_actor)
         deployment.coordinator_targets = ray.get([c.start.remote() for c in deployment.coordinators],
                                                  timeout=timeout)
@@ -434,9 +437,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--drafter-gpus", type=float, default=0)
     parser.add_argument("--device-map", default=None, help="shard the verifier (e.g. auto) over the node's GPUs")
     parser.add_argument("--steering-head", default=None, help="SD² checkpoint directory for the verifier")
+    parser.add_argument("--policy", default="", metavar="SPEC",
+                        help="draft-length policy for requests that name none, NAME[:key=value,...] (default: fixed)")
     add_link_arguments(parser)
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
     args = parser.parse_args(argv)
+    from coordinator.cli import policy_defaults
+    from steerspec.errors import UsageError
+
+    try:
+        policy_defaults(args.policy)
+    except UsageError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     link = link_from_args(args)
     deployment = deploy_local(
         address=args.address, verifier=args.verifier, drafter=args.drafter, drafters=args.drafters,
@@ -444,7 +456,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         metrics_port=args.metrics_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
         dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
         jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
-        device_map=args.device_map, steering_head=args.steering_head, detached=args.detached)
+        device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy)
     print(f"verifier    {deployment.verifier_target}", flush=True)
     for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):
         print(f"drafter     {d}\ncoordinator {c}", flush=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence
 
@@ -98,10 +97,8 @@ class DistributedResult(GenerationResult):
             wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id)
 
 
-def block_span(tracer, stats: BlockStats) -> None:
-    """A finished `steerspec.block` span for one round trip (start time back-dated to the cycle start)."""
-    end_ns = time.time_ns()
-    span = tracer.start_span("steerspec.block", start_time=end_ns - int(stats.cycle_ms * 1e6))
+def end_block_span(span, stats: BlockStats) -> None:
+    """End a round trip's `steerspec.block` span (started when its draft was asked for) with its stages."""
     span.set_attributes({
         "steerspec.block": stats.seq, "steerspec.k": stats.drafted, "steerspec.accepted": stats.accepted,
         "steerspec.bytes_up": stats.bytes_up, "steerspec.bytes_down": stats.bytes_down,
@@ -111,4 +108,4 @@ def block_span(tracer, stats: BlockStats) -> None:
         "steerspec.verify_ms": stats.verify_ms, "steerspec.overhead_ms": stats.overhead_ms,
         "steerspec.batch_size": stats.batch_size, "steerspec.verifier": stats.verifier,
     })
-    span.end(end_time=end_ns)
+    span.end()

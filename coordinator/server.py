@@ -137,7 +137,7 @@ class Coordinator:
             prompt_ids=prompt_ids, max_new_tokens=int(request.max_new_tokens or d.get("max_new_tokens", 64)),
             sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 4)),
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
-            mode=request.mode or "speculative", policy=request.policy or "fixed", steering=bool(request.steering),
+            mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "fixed")), steering=bool(request.steering),
             session_id=request.session_id).validate()
 
     async def generate(self, request: SessionRequest, deadline: Optional[float] = None):

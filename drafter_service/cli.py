@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-batch-window-ms", type=float, default=1.0,
                         help="how long a draft request waits for other sessions' to draft them together in one "
                              "batched pass per step (ends early once every active session has asked; 0 = no wait)")
+    parser.add_argument("--policy", default="", metavar="SPEC",
+                        help="draft-length policy for sessions that name none, NAME[:key=value,...] "
+                             "(default: fixed with the session's k)")
     parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -62,10 +65,18 @@ async def _main(args) -> int:
 
         setup_tracing("steerspec-drafter", trace_file=args.trace_file)
         instrument_grpc()
+    if args.policy:
+        from steerspec.policies import PolicyError, parse_spec
+
+        try:
+            parse_spec(args.policy)
+        except PolicyError as exc:
+            raise UsageError(f"--policy: {exc}") from None
     await registration.check_reachable(args.redis_url)  # before the model loads
     model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
-                           model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms)
+                           model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms,
+                           policy=args.policy)
     running, servicer = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
     await registration.announce(running, "drafter", load=lambda: len(servicer.table), redis_url=args.redis_url,

@@ -42,6 +42,7 @@ class DrafterConfig:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     model_name: str = ""
+    policy: str = ""  # draft-length policy for sessions that name none ("" = fixed with the session's k)
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
 
 
@@ -95,7 +96,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     async def open_session(self, msg: drafter_pb2.DraftOpen):
         session = self._open(msg)
         try:
-            return session, await self._propose(session)
+            return session, await self._propose(session, msg.traceparent)
         except BaseException:
             self.table.close(session)
             raise
@@ -131,7 +132,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
-        policy = resolve_policy(msg.policy, k)
+        policy = resolve_policy(msg.policy or self.config.policy, k)
         if msg.policy_state:
             load_policy_state(policy, msg.policy_state)
         steering = self._steering(msg.steering, "DraftOpen.steering")
@@ -141,7 +142,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                max_new_tokens=int(msg.max_new_tokens), steering=steering)
 
-    async def _propose(self, session: DrafterSession) -> drafter_pb2.DraftResponse:
+    async def _propose(self, session: DrafterSession, traceparent: str = "") -> drafter_pb2.DraftResponse:
+        """Draft the session's next block; its span is a child of the coordinator's block span."""
         start_ns = time.time_ns()
         out = await self.batcher.submit(session)
         session.seq += 1
@@ -152,7 +154,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         block.policy_state = policy_state(session.policy)
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,
-                                      start_ns + int(out.draft_ms * 1e6), block=session.seq, k=len(out.draft_ids),
+                                      start_ns + int(out.draft_ms * 1e6),
+                                      parent=self._tracing.context_from_traceparent(traceparent),
+                                      block=session.seq, k=len(out.draft_ids),
                                       bytes=block.ByteSize(), batch_size=out.batch_size)
         return drafter_pb2.DraftResponse(block=block)
 
@@ -205,7 +209,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing)
         if not msg.want_block:
             return None
-        return await self._propose(session)
+        return await self._propose(session, msg.traceparent)
 
 
 async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int = 0, hooks=None,

@@ -68,3 +68,27 @@ async def test_policy_state_survives_a_drafter_failover(tiny_pair):
     assert all(f.verify_ms > 0 and f.draft_ms > 0 for f in FEEDBACK)
     assert all(f.network_ms >= 3.0 for f in FEEDBACK)  # the emulated 4 ms round trip
     assert all(f.queue_ms >= 0 for f in FEEDBACK)
+
+
+async def test_unknown_policy_is_invalid_argument_on_the_wire(tiny_pair):
+    import grpc
+    import pytest
+
+    verifier, drafter = tiny_pair
+    async with LocalCluster(str(verifier), str(drafter), eos_ids=()) as c:
+        async with c.client(retries=0) as client:
+            for spec, known in (("nosuch", "known policies: "), ("fixed:q=1", "its keys: k")):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await client.acomplete(prompt_ids=PROMPT, max_new_tokens=4, policy=spec)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert known in info.value.details()
+
+
+def test_cli_refuses_a_bad_policy_in_one_line(capsys, model_pair):
+    from steerspec.cli import main
+
+    verifier, drafter = model_pair
+    for spec, known in (("nosuch", "known policies: "), ("fixed:q=1", "its keys: k")):
+        code = main(["run", "x", "--policy", spec, "--verifier", str(verifier), "--drafter", str(drafter)])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and known in err

@@ -295,13 +295,15 @@ def test_real_generation_through_local_servers_is_one_linked_trace(traced, tiny_
         client, server = one(method, "CLIENT"), one(method, "SERVER")
         assert client["parent_id"] == root["span_id"]
         assert server["parent_id"] == client["span_id"] and server["parent_remote"]
-    verify_server = one(VERIFY, "SERVER")
     blocks = [s for s in spans if s["name"] == BLOCK_SPAN]
     assert len(blocks) == summary.rounds >= 1
-    for name in ("steerspec.verifier.queue", "steerspec.verifier.forward"):
+    block_ids = {b["span_id"]: b["attributes"]["steerspec.block"] for b in blocks}
+    # Each block's verify (queue, forward) and draft are children of that block's span.
+    for name in ("steerspec.verifier.queue", "steerspec.verifier.forward", "steerspec.drafter.draft"):
         inner = [s for s in spans if s["name"] == name]
-        assert len(inner) == summary.rounds
-        assert all(s["parent_id"] == verify_server["span_id"] for s in inner)
+        assert len(inner) == summary.rounds, name
+        assert all(s["parent_id"] in block_ids and s["parent_remote"] for s in inner), name
+        assert len({s["parent_id"] for s in inner}) == summary.rounds, name  # one per block
     for block in blocks:
         assert block["parent_id"] == root["span_id"]
         attrs = block["attributes"]

@@ -187,17 +187,19 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         if result.steering is not None:
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
         if self._tracer is not None and self._tracing is not None:
-            self._record_spans(start_ns, result, block, msg.ByteSize())
+            self._record_spans(start_ns, result, block, msg.ByteSize(), msg.traceparent)
         return verifier_pb2.VerifyResponse(result=out)
 
-    def _record_spans(self, start_ns: int, result, block: wire.WireBlock, nbytes: int) -> None:
+    def _record_spans(self, start_ns: int, result, block: wire.WireBlock, nbytes: int, traceparent: str) -> None:
+        """Queue and forward spans, children of the coordinator's block span (its traceparent)."""
         queue_end = start_ns + int(result.queue_ms * 1e6)
         end = queue_end + int(result.verify_ms * 1e6)
         t = self._tracing
-        t.record_span(self._tracer, t.VERIFIER_QUEUE_SPAN, start_ns, queue_end, block=block.seq, k=block.k,
-                      bytes=nbytes)
-        t.record_span(self._tracer, t.VERIFIER_FORWARD_SPAN, queue_end, end, block=block.seq, k=block.k,
-                      accepted=result.accepted, batch_size=result.batch_size)
+        parent = t.context_from_traceparent(traceparent)
+        t.record_span(self._tracer, t.VERIFIER_QUEUE_SPAN, start_ns, queue_end, parent=parent, block=block.seq,
+                      k=block.k, bytes=nbytes)
+        t.record_span(self._tracer, t.VERIFIER_FORWARD_SPAN, queue_end, end, parent=parent, block=block.seq,
+                      k=block.k, accepted=result.accepted, batch_size=result.batch_size)
 
 
 async def serve(model, config: VerifierConfig, host: str = "127.0.0.1", port: int = 0, steering_head=None,

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to continue")
     add_decoding_arguments(parser)
     add_model_arguments(parser)
+    parser.add_argument("--policy", default=None, metavar="SPEC",
+                        help="draft-length policy NAME[:key=value,...] (default: fixed with --k), e.g. fixed:k=4")
     parser.add_argument("--mode", default="speculative", choices=MODES,
                         help="speculative (default) or autoregressive (the verifier alone)")
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
@@ -187,11 +189,10 @@ def _grpc_runner():
 def generate(args: argparse.Namespace) -> Tuple[object, object]:
     """Validate, load, generate; returns (GenerationResult, tokenizer)."""
     from steerspec.engine import autoregressive_generate, speculative_generate
-    from steerspec.policies import FixedK
-
     if not args.prompt:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
+    policy = policy_from_args(args)
     verification = parse_verification_arg(args)
     speculative = args.mode == "speculative"
     if verification.lossy:
@@ -231,11 +232,26 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 
         drafter = cached_lm(drafter)
         steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)  # SD² drafters
-        result = speculative_generate(verifier, drafter, prompt_ids, config, FixedK(args.k), tokenizer=tokenizer,
+        result = speculative_generate(verifier, drafter, prompt_ids, config, policy, tokenizer=tokenizer,
                                       steering=steering)
     else:
         result = autoregressive_generate(verifier, prompt_ids, config, tokenizer=tokenizer)
     return result, tokenizer
+
+
+def policy_from_args(args: argparse.Namespace):
+    """The draft-length policy --policy names (fixed with --k when absent); UsageError lists the known ones."""
+    from steerspec.policies import PolicyError, make_policy
+
+    spec = getattr(args, "policy", None) or f"fixed:k={args.k}"
+    try:
+        policy = make_policy(spec)
+    except PolicyError as exc:
+        raise UsageError(f"--policy: {exc}") from None
+    if getattr(args, "policy", None):
+        args.k = int(policy.max_k)  # the session's upper bound on k: the policy's own (both transports alike)
+    args.policy = spec
+    return policy
 
 
 def parse_verification_arg(args: argparse.Namespace):

@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind
 
 __all__ = [
     "BLOCK_SPAN",
@@ -56,20 +56,18 @@ __all__ = [
     "JsonlSpanExporter",
     "block_attributes",
     "block_span",
-    "current_trace_id",
     "flush_tracing",
     "generation_span",
     "get_tracer",
     "instrument_grpc",
-    "mark_error",
     "now_ns",
     "record_span",
-    "server_interceptors",
     "set_block_stages",
     "setup_tracing",
     "shutdown_tracing",
     "span_context",
-    "stage_span",
+    "traceparent",
+    "context_from_traceparent",
     "uninstrument_grpc",
 ]
 
@@ -304,11 +302,6 @@ def _make_server_interceptor():
     return SteerSpecAioServerInterceptor(trace.get_tracer("opentelemetry.instrumentation.grpc"), filter_=_quiet_filter())
 
 
-def server_interceptors() -> list:
-    """Interceptors to pass to ``grpc.aio.server(interceptors=...)`` when not using instrument_grpc()."""
-    return [_make_server_interceptor()]
-
-
 def instrument_grpc() -> None:
     """Trace every grpc.aio client call and server handler created after this call (idempotent).
 
@@ -391,9 +384,9 @@ def generation_span(tracer: trace.Tracer, **attributes: Any) -> Iterator[Span]:
 class BlockStages:
     """The cost of one round trip, in milliseconds.
 
-    rtt_ms is the measured round trip of the block as the coordinator sees it (from asking the
-    drafter for the block to having the verifier's result); overhead_ms is what is left of it
-    after draft, (emulated) network, queue and verify time.
+    rtt_ms here is the block's whole cycle (BlockStats.cycle_ms: from asking the drafter for the
+    block to its result committed); overhead_ms is what is left of it after draft, (emulated)
+    network, queue and verify time: the same `steerspec.rounds.overhead_ms` BlockStats reports.
     """
 
     rtt_ms: float
@@ -404,7 +397,9 @@ class BlockStages:
 
     @property
     def overhead_ms(self) -> float:
-        return max(0.0, self.rtt_ms - self.draft_ms - self.network_ms - self.queue_ms - self.verify_ms)
+        from steerspec.rounds import overhead_ms  # the one definition (BlockStats uses it too)
+
+        return overhead_ms(self.rtt_ms, self.draft_ms, self.network_ms, self.queue_ms, self.verify_ms)
 
     def as_dict(self) -> Dict[str, float]:
         return {
@@ -444,11 +439,22 @@ def block_attributes(**values: Any) -> Dict[str, Any]:
     return _attrs(values)
 
 
-@contextlib.contextmanager
-def stage_span(tracer: trace.Tracer, name: str, **attributes: Any) -> Iterator[Span]:
-    """A child span of the current one (e.g. ``steerspec.drafter.draft`` around one block)."""
-    with tracer.start_as_current_span(name, attributes=_attrs(attributes)) as span:
-        yield span
+def traceparent(span: Span) -> str:
+    """The W3C traceparent of `span`, to parent the remote side's per-block spans under it."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: Dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def context_from_traceparent(value: str) -> Optional[otel_context.Context]:
+    """The context a `traceparent` string names (None when empty: the current context is used)."""
+    if not value:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({"traceparent": value})
 
 
 def span_context() -> otel_context.Context:
@@ -478,17 +484,6 @@ def record_span(
     """
     span = tracer.start_span(name, context=parent, start_time=int(start_ns), attributes=_attrs(attributes))
     span.end(end_time=max(int(end_ns), int(start_ns)))
-
-
-def mark_error(span: Span, message: str) -> None:
-    """Mark a span as failed with a one-line description."""
-    span.set_status(Status(StatusCode.ERROR, message))
-
-
-def current_trace_id() -> str:
-    """The current trace id as 32 hex digits ("" when there is no valid span)."""
-    ctx = trace.get_current_span().get_span_context()
-    return _hex_trace(ctx.trace_id) if ctx.is_valid else ""
 
 
 def now_ns() -> int:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "k", "draft_top_k", "policy", "steering", "max_new_tokens", "policy_state")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "k", "draft_top_k", "policy", "steering", "max_new_tokens", "policy_state", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DraftOpen(_message.Message):
     STEERING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -29,19 +30,22 @@ class DraftOpen(_message.Message):
     steering: _common_pb2.Tensor
     max_new_tokens: int
     policy_state: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., policy: _Optional[str] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., policy_state: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., policy: _Optional[str] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DraftFeedback(_message.Message):
-    __slots__ = ("result", "want_block", "draft_ms", "network_ms")
+    __slots__ = ("result", "want_block", "draft_ms", "network_ms", "traceparent")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     WANT_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     result: _common_pb2.VerifyResult
     want_block: bool
     draft_ms: float
     network_ms: float
-    def __init__(self, result: _Optional[_Union[_common_pb2.VerifyResult, _Mapping]] = ..., want_block: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., network_ms: _Optional[float] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, result: _Optional[_Union[_common_pb2.VerifyResult, _Mapping]] = ..., want_block: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DraftClose(_message.Message):
     __slots__ = ("reason",)
