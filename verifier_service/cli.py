@@ -20,7 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-map", default=None,
                         help="passed to from_pretrained (e.g. 'auto' shards the verifier over all GPUs)")
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions served at once")
-    parser.add_argument("--max-cache-mb", type=float, default=0.0, help="KV-cache memory limit (0 = none)")
+    parser.add_argument("--max-cache-mb", type=float, default=None,
+                        help="KV-cache memory limit; beyond it new sessions get RESOURCE_EXHAUSTED and go to another "
+                             "replica (default: 80%% of the GPU's free memory, 25%% of the host's on CPU; 0 = none)")
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="longest wait to batch blocks of concurrent sessions (ends early when all submitted)")
     parser.add_argument("--max-batch", type=int, default=64, help="most blocks in one forward pass")
@@ -76,6 +78,10 @@ async def _main(args) -> int:
     await registration.check_reachable(args.redis_url)  # before the model loads
     model = load_verifier(args.model, args.dtype, args.device, args.device_map)
     head = load_head(args.steering_head, model.device) if args.steering_head else None
+    if args.max_cache_mb is None:
+        from verifier_service.capacity import default_cache_mb
+
+        args.max_cache_mb = default_cache_mb(next(model.parameters()).device)
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
                             max_batch=args.max_batch,
