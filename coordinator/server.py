@@ -30,6 +30,7 @@ from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.ownership import ClaimError, Ownership
 from steerspec.sampling import SamplingParams
 from steerspec.store import InProcessStore, Store, keep_registered
+from steerspec.telemetry import service_metrics
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,13 @@ def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:
                                       accepted=chunk.accepted, drafted=chunk.drafted)
 
 
+def _count_resumes(resumes: int) -> None:
+    """steerspec_resumes_total: failovers and checkpoint resumes of finished sessions."""
+    metrics = service_metrics.current()
+    if metrics is not None and resumes:
+        metrics.resumes.labels(metrics.service).inc(resumes)
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """The public API over one `Coordinator`."""
 
@@ -241,6 +249,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     async for response in responses:
                         if response.HasField("summary"):
                             response.summary.trace_id = trace_id
+                            _count_resumes(response.summary.resumes)
                         yield response
             except (SessionError, ClaimError) as exc:
                 await context.abort(exc.code, exc.message)

@@ -7,8 +7,9 @@ import asyncio
 import os
 import socket
 
-from steerspec import registration, security
+from steerspec import logs, registration, security
 from steerspec.errors import UsageError
+from steerspec.telemetry import service_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     registration.add_arguments(parser)
     security.add_arguments(parser)
+    logs.add_arguments(parser)
+    service_metrics.add_arguments(parser)
 
 
 def load_verifier(model: str, dtype: str, device: str, device_map=None):
@@ -86,8 +89,11 @@ async def _main(args) -> int:
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
                             max_batch=args.max_batch,
                             model_name=str(args.model))
+    metrics = service_metrics.start("verifier", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
+    if metrics is not None:
+        metrics.watch_table(servicer.table, servicer.table.reserved_bytes)
     servicer.config.replica = args.advertise or f"{socket.gethostname()}:{running.port}"  # --advertise needs Redis
     await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
@@ -100,7 +106,10 @@ def run(args) -> int:
     from steerspec.grpc_common import check_port
 
     check_port(args.port)
+    if args.metrics_port is not None:
+        check_port(args.metrics_port, "--metrics-port")
     security.configure_from_args(args, host=args.host)
+    logs.setup(args.log_level, args.log_format)
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     if args.batch_window_ms < 0:
