@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-from steerspec import security
+from steerspec import logs, security
 from steerspec.errors import UsageError
 from steerspec.linkemu import add_link_arguments, link_from_args
 from steerspec.targets import parse_targets
@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept lossy verification requests (sprinter); without it they get FAILED_PRECONDITION")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     security.add_arguments(parser)
+    logs.add_arguments(parser)
 
 
 def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]]:
@@ -106,7 +107,10 @@ async def _main(args) -> int:
     if args.metrics_port is not None:
         from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
 
+        from steerspec.telemetry import service_metrics
+
         metrics = SteerSpecMetrics()
+        service_metrics.install(service_metrics.CallMetrics("coordinator", metrics.registry))
         metrics_host = args.metrics_host or args.host
         _, metrics_port = start_metrics_server(args.metrics_port, metrics.registry, addr=metrics_host)
         print(f"steerspec coordinator metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
@@ -136,6 +140,7 @@ def run(args) -> int:
         raise UsageError("--heartbeat-ttl-s must be > 0")
     check_port(args.port)
     security.configure_from_args(args, host=args.host)
+    logs.setup(args.log_level, args.log_format)
     if args.metrics_port is not None:
         check_port(args.metrics_port, "--metrics-port")
     if not parse_targets(args.verifier, "--verifier") and not args.redis_url:

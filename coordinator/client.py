@@ -15,7 +15,7 @@
 Deadlines: `timeout=` seconds for the whole generation (DEADLINE_EXCEEDED past it); the
 coordinator ends the session on every service when the deadline passes or the call is cancelled.
 
-Retries: on UNAVAILABLE the call is retried with exponential backoff (`retries`, `backoff_s`).
+Retries: on UNAVAILABLE (and ABORTED: the session is live in another call) the call is retried with exponential backoff (`retries`, `backoff_s`).
 Every call carries a session id (generated when not given); a retry after tokens have arrived
 asks the coordinator to resume that session, which streams the generation from its first token
 again; the client skips what it already yielded and checks that the replayed prefix matches, so
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from steerspec.security import ClientSecurity
 from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)  # ABORTED: the session is live elsewhere
 
 
 @dataclass

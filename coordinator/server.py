@@ -18,15 +18,19 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace as otel_trace
+from redis.exceptions import RedisError
 
 from coordinator.admission import Admission
 from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer
+from steerspec import security
 from steerspec.linkemu import NO_LINK, LinkModel
+from steerspec.ownership import ClaimError, Ownership
 from steerspec.sampling import SamplingParams
 from steerspec.store import InProcessStore, Store, keep_registered
+from steerspec.telemetry import service_metrics
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,7 @@ class Coordinator:
         self.static = [("verifier", a) for a in verifiers] + [("drafter", a) for a in drafters]
         self.tokenizer = tokenizer
         self.admission = Admission(tokenizer, max_length)
+        self.ownership = Ownership(self.store)
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
@@ -206,6 +211,13 @@ def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:
                                       accepted=chunk.accepted, drafted=chunk.drafted)
 
 
+def _count_resumes(resumes: int) -> None:
+    """steerspec_resumes_total: failovers and checkpoint resumes of finished sessions."""
+    metrics = service_metrics.current()
+    if metrics is not None and resumes:
+        metrics.resumes.labels(metrics.service).inc(resumes)
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """The public API over one `Coordinator`."""
 
@@ -230,14 +242,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
             if span_context.is_valid:
                 trace_id = f"{span_context.trace_id:032x}"
+            claim = (self.coordinator.ownership.claim(session.session_id, security.identity_of(context))
+                     if session.session_id else contextlib.nullcontext())
             try:
-                async with contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
+                async with claim, contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
                     async for response in responses:
                         if response.HasField("summary"):
                             response.summary.trace_id = trace_id
+                            _count_resumes(response.summary.resumes)
                         yield response
-            except SessionError as exc:
+            except (SessionError, ClaimError) as exc:
                 await context.abort(exc.code, exc.message)
+            except RedisError as exc:
+                log.warning("session %s: the store failed: %s", session.session_id, exc)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"the session store (Redis) failed: {(str(exc).splitlines() or [''])[0]}; "
+                                    "retry once it is back (the SDK retries UNAVAILABLE)")
 
 
 async def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0):

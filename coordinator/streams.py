@@ -1,7 +1,8 @@
 """gRPC plumbing of the session loop: shared channels, and streams that name their replica on failure.
 
-A stream that fails with UNAVAILABLE, or ends without a status, raises `ReplicaLost` (the loop
-fails over); any other status raises `SessionError` with that code (the loop ends the session).
+A stream that fails with UNAVAILABLE or RESOURCE_EXHAUSTED (a full replica), or ends without a
+status, raises `ReplicaLost` (the loop fails over); any other status raises `SessionError` with
+that code (the loop ends the session).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from steerspec.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.enable_retries", 0)]
-FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)
+# UNAVAILABLE: the replica is gone; RESOURCE_EXHAUSTED: it is full (sessions or --max-cache-mb) -> place elsewhere
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class SessionError(Exception):

@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import os
 
-from steerspec import registration, security
+from steerspec import logs, registration, security
 from steerspec.errors import UsageError
+from steerspec.telemetry import service_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     registration.add_arguments(parser)
     security.add_arguments(parser)
+    logs.add_arguments(parser)
+    service_metrics.add_arguments(parser)
 
 
 def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
@@ -77,8 +80,11 @@ async def _main(args) -> int:
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
                            model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms,
                            policy=args.policy)
+    metrics = service_metrics.start("drafter", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
+    if metrics is not None:
+        metrics.watch_table(servicer.table, servicer.table.cache_bytes)
     await registration.announce(running, "drafter", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
     steer = "with SD² steering" if hooks is not None else "without steering"
@@ -91,7 +97,10 @@ def run(args) -> int:
     from steerspec.grpc_common import check_port
 
     check_port(args.port)
+    if args.metrics_port is not None:
+        check_port(args.metrics_port, "--metrics-port")
     security.configure_from_args(args, host=args.host)
+    logs.setup(args.log_level, args.log_format)
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     if not args.draft_batch_window_ms >= 0:

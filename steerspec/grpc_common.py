@@ -98,7 +98,10 @@ async def start_server(
     security = security or sec.current_server()
     security.check_bind(host)
     options = channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(interceptors=[*security.interceptors(), *(interceptors or [])], options=options)
+    from steerspec.telemetry import service_metrics
+
+    chain = [*service_metrics.interceptors(), *security.interceptors(), *(interceptors or [])]
+    server = grpc.aio.server(interceptors=chain, options=options)
     for add, servicer in registrations:
         add(servicer, server)
     health = health_aio.HealthServicer()

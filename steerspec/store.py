@@ -28,6 +28,20 @@ from typing import Dict, List, Optional
 log = logging.getLogger(__name__)
 
 SESSION_TTL_S = 24 * 3600
+WRITE_ATTEMPTS = 4  # a checkpoint write is retried over ~0.7 s (a Redis restart, a stale connection)
+# RPUSH at a known offset: a retried write whose first try landed is a no-op, an out-of-order one an error
+_APPEND_AT = """
+local n = redis.call('LLEN', KEYS[1])
+local base = tonumber(ARGV[1])
+local count = #ARGV - 2
+if base < 0 or n == base then
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3))
+elseif n ~= base + count then
+  return redis.error_reply('checkpoint of ' .. KEYS[1] .. ' holds ' .. n .. ' tokens, expected ' .. base)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return n
+"""
 
 
 @dataclass
@@ -96,11 +110,17 @@ class Store(abc.ABC):
     async def _drain(self, session_id: str) -> None:
         while self._pending.get(session_id):
             batch = self._pending.pop(session_id)
-            try:
-                await self._write_tokens(session_id, batch)
-            except Exception as exc:  # a checkpoint failure must not end the generation
-                self.write_errors += 1
-                log.warning("checkpoint write for session %s failed: %s", session_id, exc)
+            for attempt in range(WRITE_ATTEMPTS):  # writes are idempotent (RedisStore): a retry never repeats
+                try:
+                    await self._write_tokens(session_id, batch)
+                    break
+                except Exception as exc:  # a checkpoint failure must not end the generation
+                    if attempt + 1 < WRITE_ATTEMPTS:
+                        await asyncio.sleep(0.1 * 2 ** attempt)
+                        continue
+                    self.write_errors += 1
+                    log.warning("checkpoint write for session %s failed (the session goes on without "
+                                "checkpoints): %s", session_id, exc)
         if self._writers.get(session_id) is asyncio.current_task():  # done: nothing left for flush to wait on
             del self._writers[session_id]
 
@@ -220,7 +240,18 @@ class RedisStore(Store):
 
         self.url = url
         self.prefix = prefix
-        self._redis = aioredis.from_url(url, decode_responses=True)
+        self._offsets: Dict[str, int] = {}  # tokens checkpointed per session (idempotent writes)
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+        from redis.retry import Retry
+
+        # a connection broken by a Redis restart is retried on a fresh one (not handed to the next
+        # session); while Redis is down a command fails within ~2 s (the coordinator answers UNAVAILABLE)
+        self._redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=1.0, socket_timeout=5.0,
+                                        health_check_interval=5,
+                                        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
     def _svc(self, kind: str, address: Optional[str] = None) -> str:
         return f"{self.prefix}svc:{kind}" + (f":{address}" if address is not None else "")
@@ -268,6 +299,7 @@ class RedisStore(Store):
                                     "status": "running", "finish_reason": ""})
             pipe.expire(key, SESSION_TTL_S)
             await pipe.execute()
+        self._offsets[session_id] = 0
 
     async def set_placement(self, session_id, placement):
         await self._redis.hset(self._sess(session_id), "placement", json.dumps(placement))
@@ -280,18 +312,20 @@ class RedisStore(Store):
             fields, tokens = await pipe.execute()
         if not fields:
             return None
+        self._offsets[session_id] = len(tokens)
         return SessionRecord(session_id, json.loads(fields.get("params", "{}")),
                              json.loads(fields.get("placement", "{}")), [int(t) for t in tokens],
                              fields.get("status", "running"), fields.get("finish_reason", ""))
 
     async def _write_tokens(self, session_id, token_ids):
         key = self._sess(session_id) + ":tokens"
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(key, *token_ids)
-            pipe.expire(key, SESSION_TTL_S)
-            await pipe.execute()
+        base = self._offsets.get(session_id, -1)  # -1: unknown here, plain append
+        await self._redis.eval(_APPEND_AT, 1, key, base, SESSION_TTL_S, *token_ids)
+        if base >= 0:
+            self._offsets[session_id] = base + len(token_ids)
 
     async def _finish(self, session_id, status, reason):
+        self._offsets.pop(session_id, None)
         await self._redis.hset(self._sess(session_id), mapping={"status": status, "finish_reason": reason})
 
     async def close(self):

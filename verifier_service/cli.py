@@ -7,8 +7,9 @@ import asyncio
 import os
 import socket
 
-from steerspec import registration, security
+from steerspec import logs, registration, security
 from steerspec.errors import UsageError
+from steerspec.telemetry import service_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-map", default=None,
                         help="passed to from_pretrained (e.g. 'auto' shards the verifier over all GPUs)")
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions served at once")
-    parser.add_argument("--max-cache-mb", type=float, default=0.0, help="KV-cache memory limit (0 = none)")
+    parser.add_argument("--max-cache-mb", type=float, default=None,
+                        help="KV-cache memory limit; beyond it new sessions get RESOURCE_EXHAUSTED and go to another "
+                             "replica (default: 80%% of the GPU's free memory, 25%% of the host's on CPU; 0 = none)")
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="longest wait to batch blocks of concurrent sessions (ends early when all submitted)")
     parser.add_argument("--max-batch", type=int, default=64, help="most blocks in one forward pass")
@@ -33,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     registration.add_arguments(parser)
     security.add_arguments(parser)
+    logs.add_arguments(parser)
+    service_metrics.add_arguments(parser)
 
 
 def load_verifier(model: str, dtype: str, device: str, device_map=None):
@@ -76,12 +81,19 @@ async def _main(args) -> int:
     await registration.check_reachable(args.redis_url)  # before the model loads
     model = load_verifier(args.model, args.dtype, args.device, args.device_map)
     head = load_head(args.steering_head, model.device) if args.steering_head else None
+    if args.max_cache_mb is None:
+        from verifier_service.capacity import default_cache_mb
+
+        args.max_cache_mb = default_cache_mb(next(model.parameters()).device)
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
                             max_batch=args.max_batch,
                             model_name=str(args.model))
+    metrics = service_metrics.start("verifier", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
+    if metrics is not None:
+        metrics.watch_table(servicer.table, servicer.table.reserved_bytes)
     servicer.config.replica = args.advertise or f"{socket.gethostname()}:{running.port}"  # --advertise needs Redis
     await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
@@ -94,7 +106,10 @@ def run(args) -> int:
     from steerspec.grpc_common import check_port
 
     check_port(args.port)
+    if args.metrics_port is not None:
+        check_port(args.metrics_port, "--metrics-port")
     security.configure_from_args(args, host=args.host)
+    logs.setup(args.log_level, args.log_format)
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     if args.batch_window_ms < 0:
