@@ -132,7 +132,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
-        policy = resolve_policy(msg.policy or self.config.policy, k)
+        policy = resolve_policy(msg.policy or self.config.policy, k, self.table.model)
         if msg.policy_state:
             load_policy_state(policy, msg.policy_state)
         steering = self._steering(msg.steering, "DraftOpen.steering")
@@ -148,7 +148,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         out = await self.batcher.submit(session)
         session.seq += 1
         n = len(session.committed)
-        session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids)
+        session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids,
+                                    draft_ms=out.draft_ms)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
         block.policy_state = policy_state(session.policy)

@@ -27,21 +27,26 @@ from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
 from steerspec.models.kv import CachedLM, cached_lm
 from steerspec.models.loading import kv_bytes_per_token
-from steerspec.policies import BlockFeedback, PolicyError, make_policy
+from steerspec.policies import BlockFeedback, PolicyContext, PolicyError, make_policy
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sampling import SamplingParams, SparseDist
 from steerspec.wire import ProtocolError, invalid
 
 
-def resolve_policy(spec: str, k: int):
+def resolve_policy(spec: str, k: int, model=None):
     """The draft-length policy a registry spec names (`name:key=value,...`); a bare or empty
-    spec is `fixed` with the session's k. A bad spec is INVALID_ARGUMENT with the known names."""
+    spec is `fixed` with the session's k. A bad spec is INVALID_ARGUMENT with the known names.
+    `model` (the drafter) lets trained policies find their heads in its directory."""
     spec = (spec or "fixed").strip()
     if spec == "fixed":
         spec = f"fixed:k={k}"
+    context = None
+    if model is not None:
+        context = PolicyContext(drafter_dir=getattr(model, "name_or_path", None) or None,
+                                hidden_size=int(model.config.hidden_size))
     try:
-        return make_policy(spec)
+        return make_policy(spec, context)
     except PolicyError as exc:
         raise invalid(str(exc)) from None
 
@@ -70,6 +75,8 @@ class Proposal:
     seq: int
     committed_length: int
     draft_ids: List[int]
+    draft_ms: float = 0.0
+    sent_at: float = field(default_factory=time.perf_counter)  # feedback - sent_at: verify + queue + network
 
 
 @dataclass
@@ -213,7 +220,11 @@ class Drafter:
         if session.lm.length > n + accepted:
             session.lm.rollback(n + accepted)
         if proposal.draft_ids:
-            session.policy.update(timing or BlockFeedback(accepted, len(proposal.draft_ids)))
+            if timing is None:  # no coordinator timings: the time the block was away, not split further
+                away_ms = (time.perf_counter() - proposal.sent_at) * 1e3
+                timing = BlockFeedback(accepted, len(proposal.draft_ids), draft_ms=proposal.draft_ms,
+                                       network_ms=away_ms)
+            session.policy.update(timing)
         if steering is not None:
             session.steering = steering
         session.proposal = None

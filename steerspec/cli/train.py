@@ -1,4 +1,4 @@
-"""`steerspec train base|synth|distill|sd2|sprinter`: the project's own training pipelines."""
+"""`steerspec train base|synth|distill|sd2|sprinter|pacer|specdecpp|smollm2`: the project's own training pipelines."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -8,6 +8,8 @@ COMMANDS = (
     ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
     ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
     ("sprinter", "steerspec.train.sprinter", "train the SPRINTER acceptance classifier for a drafter (lossy mode)"),
+    ("pacer", "steerspec.train.pacer", "train the Pacer pre-verification layer for a drafter (draft-length policy)"),
+    ("specdecpp", "steerspec.train.specdecpp", "train the SpecDec++ rejection head for a drafter (draft-length policy)"),
     ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
 )
 

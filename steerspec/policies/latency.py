@@ -8,7 +8,8 @@ the queue + network time per block (EWMA). Before each block k = argmax E(k)/T(k
 Inside the block, after draft i with top drafter probability c, drafting on pays only when the
 expected gain per millisecond of one more draft, s·min(a_{i+1}, c)/d (s the survival so far),
 is at least the block's best rate E/T; otherwise the block stops. With o = 0 and a fast
-verifier this picks a short k; a large o makes long blocks profitable.
+verifier this picks a short k; a large o makes long blocks profitable. The estimates survive
+`reset` (a new sequence on the same pair and link); the first block of a fresh policy drafts ≤ 4.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class LatencyAware(PolicyBase):
         self.reset()
 
     def reset(self) -> None:
+        """A new sequence: the learned costs and acceptance describe the pair and the link, not the
+        sequence, so they are kept once something was learned (`forget` clears them)."""
+        if getattr(self, "seen", 0):
+            self._survival, self._rate = 1.0, 0.0
+            return
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to the priors."""
         self.accept: List[float] = [self.a0] * self.max_k
         self.draft_ms = 1.0
         self.verify0_ms = 1.0

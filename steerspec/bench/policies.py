@@ -1,0 +1,370 @@
+"""`steerspec bench policies`: draft-length policies in-process and through the services at emulated RTTs.
+
+Per eval set, temperature, regime (in-process engine; services over the emulated link at each
+--rtt-ms) and policy: tokens/s, block efficiency τ, acceptance, drafter and verifier forward
+passes per 100 generated tokens, wall ms per token. Policies with an initial k (fixed, heuristic,
+gammatune, gammatune+) run at every --initial-k; the others run once. Prints
+
+1. GammaTune's Table 2 layout: speedup in tokens/s over SpecDecode (fixed), each policy's mean over
+   initial k ± the standard deviation across initial k, normalised by SpecDecode's mean tokens/s;
+2. Pacer's Tables 1/6 layout: tokens/s, speedup over the verifier alone, τ, drafter and verifier
+   forward passes per 100 tokens, for fixed at its best k in the same run and every adaptive
+   policy (at its best initial k where it has one);
+
+writes the JSON (--out) and a PNG of tokens/s against RTT, one line per policy (--plot).
+Drafter forward passes = drafted tokens (one drafter step each); verifier passes = blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from steerspec.errors import UsageError
+
+HAS_INITIAL_K = {"fixed": "k", "heuristic": "k", "gammatune": "k", "gammatune+": "k"}
+DEFAULT_POLICIES = "fixed,heuristic,threshold,adaedl,specdecpp,gammatune,gammatune+,pacer,latency"
+PAPER_KS = "1,2,3,4,5,6,7,8,12,16,20,24"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
+    parser.add_argument("--drafter", default="pretrained", help="drafter checkpoint dir or bundled name")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help="comma-separated policy specs; ';' separates specs that contain commas")
+    parser.add_argument("--initial-k", default=PAPER_KS, help="initial k for policies that have one")
+    parser.add_argument("--sets", default="indist,tests,docs", help="eval sets")
+    parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated RTTs through the services ('' = none)")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per eval set")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--draft-top-k", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process regime")
+    parser.add_argument("--quick", action="store_true",
+                        help="minutes: 4 prompts x 32 tokens, indist, initial k 2,6,12, T=0, RTT 0,50")
+    parser.add_argument("--out", default=None, help="JSON report path")
+    parser.add_argument("--plot", default=None, help="PNG: tokens/s against RTT per policy")
+    parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
+
+
+def _floats(text: str, flag: str) -> List[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} expects comma-separated numbers, got '{text}'") from None
+
+
+def _validate(args) -> None:
+    if args.quick:  # flags left at their defaults shrink; flags given explicitly stay
+        args.prompts, args.max_new_tokens = min(args.prompts, 4), min(args.max_new_tokens, 32)
+        for flag, full, quick in (("sets", "indist,tests,docs", "indist"), ("initial_k", PAPER_KS, "2,6,12"),
+                                  ("temperatures", "0,1", "0"), ("rtt_ms", "0,10,50,100", "0,50")):
+            if getattr(args, flag) == full:
+                setattr(args, flag, quick)
+    args.k_list = [int(k) for k in _floats(args.initial_k, "--initial-k")]
+    if not args.k_list or any(not 1 <= k <= 64 for k in args.k_list):
+        raise UsageError(f"--initial-k values must be in [1, 64], got '{args.initial_k}'")
+    args.rtt_list = _floats(args.rtt_ms, "--rtt-ms")
+    args.temp_list = _floats(args.temperatures, "--temperatures")
+    if any(r < 0 for r in args.rtt_list) or any(t < 0 for t in args.temp_list):
+        raise UsageError("--rtt-ms and --temperatures must be >= 0")
+    args.set_list = [s.strip() for s in args.sets.split(",") if s.strip()]
+    from steerspec.data.evalsets import SETS
+
+    bad = [s for s in args.set_list if s not in SETS]
+    if bad or not args.set_list:
+        raise UsageError(f"--sets must name eval sets among {', '.join(SETS)}, got '{args.sets}'")
+    if args.prompts < 1 or args.max_new_tokens < 2:
+        raise UsageError("--prompts must be >= 1 and --max-new-tokens >= 2")
+    sep = ";" if ";" in args.policies else ","
+    args.policy_list = [p.strip() for p in args.policies.split(sep) if p.strip()]
+    from steerspec.policies import PolicyError, parse_spec
+
+    for spec in args.policy_list:
+        try:
+            parse_spec(spec)
+        except PolicyError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def expand(spec: str, ks: Sequence[int]) -> List[tuple]:
+    """(initial k or None, full spec) for each run of a policy spec."""
+    name, _, rest = spec.partition(":")
+    key = HAS_INITIAL_K.get(name)
+    if key is None or f"{key}=" in rest:
+        return [(None, spec)]
+    return [(k, f"{name}:{key}={k}" + (f",{rest}" if rest else "")) for k in ks]
+
+
+def summarize(results: Sequence[Any], wall_s: float) -> Dict[str, Any]:
+    """tokens/s, τ, acceptance, passes per 100 tokens and ms per token of a list of results."""
+    tokens = sum(r.generated for r in results)
+    rounds = sum(r.rounds for r in results)
+    drafted = sum(r.drafted for r in results)
+    accepted = sum(r.accepted for r in results)
+    return {"tokens": tokens, "wall_s": round(wall_s, 4),
+            "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
+            "block_efficiency": round(tokens / rounds, 4) if rounds else None,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "drafter_calls": drafted, "verifier_calls": rounds,
+            "drafter_per_100": round(100 * drafted / tokens, 2) if tokens else None,
+            "verifier_per_100": round(100 * rounds / tokens, 2) if tokens else None,
+            "ms_per_token": round(1e3 * wall_s / tokens, 3) if tokens else None}
+
+
+def _config(args, temperature: float, i: int, eos):
+    from steerspec.engine import DecodeConfig
+    from steerspec.sampling import SamplingParams
+
+    return DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
+                        sampling=SamplingParams(temperature), eos_token_ids=eos)
+
+
+def run_inprocess(v, d, prompts, args, temperature, spec: Optional[str], eos, context) -> Dict[str, Any]:
+    """One policy (None = verifier alone) over every prompt, in-process."""
+    from steerspec.engine import autoregressive_generate, speculative_generate
+    from steerspec.policies import make_policy
+
+    results, wall = [], 0.0
+    policy = make_policy(spec, context) if spec else None
+    for i, prompt in enumerate(prompts):
+        config = _config(args, temperature, i, eos)
+        start = time.perf_counter()
+        if policy is None:
+            results.append(autoregressive_generate(v, prompt, config))
+        else:
+            results.append(speculative_generate(v, d, prompt, config, policy))
+        wall += time.perf_counter() - start
+    return summarize(results, wall)
+
+
+async def run_services(cluster, prompts, args, temperature, spec: Optional[str]) -> Dict[str, Any]:
+    """One policy (None = verifier alone) over every prompt through the services."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        results.append(await cluster.generate(
+            prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
+            draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
+            policy=spec or "fixed", timeout=600))
+    return summarize(results, sum(r.wall_s for r in results))
+
+
+def _runs(args) -> List[tuple]:
+    return [(spec.partition(":")[0], k, full) for spec in args.policy_list for k, full in expand(spec, args.k_list)]
+
+
+def _record(rows, **row) -> None:
+    rows.append(row)
+    import sys
+
+    m = row["metrics"]
+    print(f"[{row['set']} T={row['temperature']:g} {row['regime']}] {row['spec'] or 'verifier alone'}: "
+          f"{m['tokens_per_s']} tok/s, τ={m['block_efficiency']}", file=sys.stderr, flush=True)
+
+
+async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -> List[Dict[str, Any]]:
+    from coordinator.local import LocalCluster
+    from steerspec.data.evalsets import load_eval_set
+    from steerspec.linkemu import LinkModel
+    from steerspec.models import cached_lm
+    from steerspec.policies import PolicyContext
+
+    context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None),
+                            hidden_size=int(drafter.config.hidden_size))
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    rows: List[Dict[str, Any]] = []
+    runs = _runs(args)
+    for set_name in args.set_list:
+        texts = [row["prompt"] for row in load_eval_set(set_name)][: args.prompts]
+        prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        for temperature in args.temp_list:
+            common = {"set": set_name, "temperature": temperature}
+            if not args.no_inprocess:
+                run_inprocess(v, d, prompts[:1], args, temperature, "fixed:k=4", eos, context)  # warm-up
+                _record(rows, **common, regime="inprocess", policy="verifier", initial_k=None, spec=None,
+                        metrics=run_inprocess(v, d, prompts, args, temperature, None, eos, context))
+                for name, k, spec in runs:
+                    _record(rows, **common, regime="inprocess", policy=name, initial_k=k, spec=spec,
+                            metrics=run_inprocess(v, d, prompts, args, temperature, spec, eos, context))
+            for rtt in args.rtt_list:
+                link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
+                async with LocalCluster(verifier, drafter, link=link, tokenizer=tokenizer_dir, eos_ids=eos) as cluster:
+                    await run_services(cluster, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}),
+                                       temperature, "fixed:k=4")  # warm-up
+                    regime = f"rtt{rtt:g}"
+                    _record(rows, **common, regime=regime, rtt_ms=rtt, policy="verifier", initial_k=None, spec=None,
+                            metrics=await run_services(cluster, prompts, args, temperature, None))
+                    for name, k, spec in runs:
+                        _record(rows, **common, regime=regime, rtt_ms=rtt, policy=name, initial_k=k, spec=spec,
+                                metrics=await run_services(cluster, prompts, args, temperature, spec))
+    return rows
+
+
+def _groups(rows):
+    """{(set, T, regime): {policy: [rows]}} plus the verifier-alone row."""
+    out: Dict[tuple, Dict[str, List[Dict[str, Any]]]] = {}
+    for row in rows:
+        out.setdefault((row["set"], row["temperature"], row["regime"]), {}).setdefault(row["policy"], []).append(row)
+    return out
+
+
+def table_gammatune(rows) -> List[Dict[str, Any]]:
+    """GammaTune Table 2: per (set, T, regime, policy) mean ± std over initial k of tokens/s ÷ mean SpecDecode tokens/s."""
+    out = []
+    for (set_name, temp, regime), policies in _groups(rows).items():
+        fixed = [r["metrics"]["tokens_per_s"] for r in policies.get("fixed", []) if r["metrics"]["tokens_per_s"]]
+        if not fixed:
+            continue
+        base = statistics.mean(fixed)
+        for policy, prs in policies.items():
+            if policy == "verifier":
+                continue
+            ratios = [r["metrics"]["tokens_per_s"] / base for r in prs if r["metrics"]["tokens_per_s"]]
+            out.append({"set": set_name, "temperature": temp, "regime": regime, "policy": policy,
+                        "speedup_mean": round(statistics.mean(ratios), 3),
+                        "speedup_std": round(statistics.pstdev(ratios), 3) if len(ratios) > 1 else None,
+                        "runs": len(ratios)})
+    return out
+
+
+def table_pacer(rows) -> List[Dict[str, Any]]:
+    """Pacer Tables 1/6: best-k fixed and each policy at its best initial k, vs the verifier alone."""
+    out = []
+    for (set_name, temp, regime), policies in _groups(rows).items():
+        alone = policies.get("verifier", [{}])[0].get("metrics", {}).get("tokens_per_s")
+        for policy, prs in policies.items():
+            if policy == "verifier":
+                continue
+            best = max(prs, key=lambda r: r["metrics"]["tokens_per_s"] or 0)
+            m = best["metrics"]
+            out.append({"set": set_name, "temperature": temp, "regime": regime, "policy": policy,
+                        "spec": best["spec"], "tokens_per_s": m["tokens_per_s"],
+                        "speedup_vs_verifier": round(m["tokens_per_s"] / alone, 3) if alone else None,
+                        "tau": m["block_efficiency"], "acceptance": m["acceptance"],
+                        "drafter_per_100": m["drafter_per_100"], "verifier_per_100": m["verifier_per_100"],
+                        "ms_per_token": m["ms_per_token"]})
+    return out
+
+
+def print_tables(report) -> None:
+    regimes = []
+    for row in report["gammatune_table"]:
+        if row["regime"] not in regimes:
+            regimes.append(row["regime"])
+    print("GammaTune Table 2 layout: tokens/s ÷ SpecDecode's mean over initial k (mean ± std across initial k; "
+          "'once' = no initial k)")
+    keyed = {(r["set"], r["temperature"], r["regime"], r["policy"]): r for r in report["gammatune_table"]}
+    for set_name in report["config"]["sets"]:
+        for temp in report["config"]["temperatures"]:
+            print(f"\n{set_name}, T={temp:g}")
+            print(f"{'policy':<12}" + "".join(f"{g:>16}" for g in regimes))
+            for policy in report["config"]["policy_names"]:
+                cells = []
+                for g in regimes:
+                    r = keyed.get((set_name, temp, g, policy))
+                    if r is None:
+                        cells.append(f"{'-':>16}")
+                    elif r["speedup_std"] is None:
+                        cells.append(f"{r['speedup_mean']:>10.2f} once")
+                    else:
+                        cells.append(f"{r['speedup_mean']:>8.2f} ± {r['speedup_std']:.2f}")
+                print(f"{policy:<12}" + "".join(cells))
+    print("\nPacer Tables 1/6 layout (best initial k where a policy has one)")
+    print(f"{'set':<7}{'T':>3} {'regime':<10}{'policy':<12}{'tok/s':>8}{'×AR':>7}{'τ':>7}{'acc':>7}"
+          f"{'D/100':>8}{'V/100':>8}{'ms/tok':>8}  spec")
+    for r in report["pacer_table"]:
+        print(f"{r['set']:<7}{r['temperature']:>3g} {r['regime']:<10}{r['policy']:<12}{r['tokens_per_s']:>8.1f}"
+              f"{(r['speedup_vs_verifier'] or 0):>7.2f}{(r['tau'] or 0):>7.2f}{(r['acceptance'] or 0):>7.2f}"
+              f"{(r['drafter_per_100'] or 0):>8.1f}{(r['verifier_per_100'] or 0):>8.1f}{(r['ms_per_token'] or 0):>8.2f}"
+              f"  {r['spec']}")
+
+
+def write_plot(report, path: str) -> None:
+    """tokens/s (best initial k) against RTT, one line per policy, one panel per (set, T)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["pacer_table"] if r["regime"].startswith("rtt")]
+    panels = sorted({(r["set"], r["temperature"]) for r in rows})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (set_name, temp) in zip(axes[0], panels):
+        for policy in report["config"]["policy_names"] + ["verifier"]:
+            pts = sorted((float(r["regime"][3:]), r["tokens_per_s"]) for r in rows
+                         if r["set"] == set_name and r["temperature"] == temp and r["policy"] == policy)
+            if policy == "verifier":
+                pts = sorted((row["rtt_ms"], row["metrics"]["tokens_per_s"]) for row in report["rows"]
+                             if row["policy"] == "verifier" and row.get("rtt_ms") is not None
+                             and row["set"] == set_name and row["temperature"] == temp)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        linestyle="--" if policy == "verifier" else "-", label=policy)
+        ax.set_xlabel("emulated RTT (ms)")
+        ax.set_ylabel("tokens/s (best initial k)")
+        ax.set_title(f"{set_name}, T={temp:g}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    import torch
+
+    from coordinator.cli import load_tokenizer_and_eos
+    from steerspec.models import load_model
+    from steerspec.models.loading import resolve_model_dir
+
+    torch.set_num_threads(max(1, args.threads))
+    vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
+    tokenizer, eos = load_tokenizer_and_eos(str(vdir))
+    verifier, drafter = load_model(vdir), load_model(ddir)
+    from steerspec.policies import PolicyContext, PolicyError, make_policy
+
+    for spec in args.policy_list:  # trained policies without a head: one line before any timing
+        try:
+            make_policy(expand(spec, args.k_list)[0][1], PolicyContext(drafter_dir=str(ddir),
+                                                                       hidden_size=int(drafter.config.hidden_size)))
+        except PolicyError as exc:
+            raise UsageError(str(exc)) from None
+    started = time.time()
+    rows = asyncio.run(measure(args, verifier, drafter, str(vdir), tokenizer, eos))
+    names = list(dict.fromkeys(spec.partition(":")[0] for spec in args.policy_list))
+    command = ("steerspec bench policies" + (" --quick" if args.quick else "") +
+               f" --verifier {args.verifier} --drafter {args.drafter} --policies '{args.policies}'"
+               f" --initial-k {args.initial_k} --sets {args.sets} --rtt-ms '{args.rtt_ms}' --temperatures {args.temperatures}"
+               f" --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --seed {args.seed}")
+    report = {"command": command,
+              "config": {"verifier": str(vdir), "drafter": str(ddir), "sets": args.set_list,
+                         "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
+                         "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
+                         "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
+                         "inprocess": not args.no_inprocess},
+              "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                          "torch_threads": torch.get_num_threads()},
+              "rows": rows}
+    report["gammatune_table"] = table_gammatune(rows)
+    report["pacer_table"] = table_pacer(rows)
+    report["elapsed_s"] = round(time.time() - started, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_tables(report)
+    return 0

@@ -1,0 +1,62 @@
+"""`steerspec train specdecpp|pacer` and `steerspec bench policies`: a fast smoke run on the tiny pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steerspec.cli import main
+
+
+def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
+    verifier, drafter = tiny_pair
+    heads = {}
+    for kind in ("specdecpp", "pacer"):
+        out, work = tmp_path / f"{kind}.pt", tmp_path / "work"
+        base = ["train", kind, "--verifier", str(verifier), "--drafter", str(drafter), "--prompts", "6",
+                "--answer-tokens", "12", "--gamma", "6", "--stride", "3", "--out", str(out), "--work", str(work)]
+        assert main(base + ["--epochs", "1"]) == 0
+        assert main(base + ["--epochs", "2"]) == 0  # resumes from checkpoint-KIND.pt: one more epoch
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert len(report["losses"]) == 2 and 0.0 <= report["heldout"]["roc_auc"] <= 1.0
+        blob = torch.load(out, weights_only=True)
+        assert blob["kind"] == kind and out.stat().st_size < 1_000_000
+        assert (tmp_path / f"{kind}_MODEL_CARD.md").read_text().count("ROC AUC") == 1
+        heads[kind] = out
+    assert (tmp_path / "work" / "labels.pt").is_file()  # labels shared by both kinds
+
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    policies = (f"fixed;gammatune+;latency;specdecpp:head={heads['specdecpp']};pacer:head={heads['pacer']},b=2")
+    assert main(["bench", "policies", "--quick", "--verifier", str(verifier), "--drafter", str(drafter),
+                 "--policies", policies, "--initial-k", "2,4", "--rtt-ms", "0,20", "--prompts", "1",
+                 "--max-new-tokens", "8", "--out", str(out), "--plot", str(plot)]) == 0
+    report = json.loads(out.read_text())
+    assert plot.stat().st_size > 0
+    regimes = {r["regime"] for r in report["rows"]}
+    assert regimes == {"inprocess", "rtt0", "rtt20"}
+    for regime in regimes:
+        fixed = [r for r in report["rows"] if r["regime"] == regime and r["policy"] == "fixed"]
+        assert [r["initial_k"] for r in fixed] == [2, 4]
+        assert sum(r["policy"] == "latency" for r in report["rows"] if r["regime"] == regime) == 1
+    for row in report["rows"]:
+        m = row["metrics"]
+        assert m["tokens"] >= 1 and m["tokens_per_s"] > 0 and m["verifier_calls"] >= 1
+    table = {(r["regime"], r["policy"]): r for r in report["gammatune_table"]}
+    assert table[("inprocess", "fixed")]["speedup_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert table[("rtt20", "latency")]["speedup_std"] is None  # no initial k: runs once
+    assert {r["policy"] for r in report["pacer_table"]} == {"fixed", "gammatune+", "latency", "specdecpp", "pacer"}
+    printed = capsys.readouterr().out
+    assert "GammaTune Table 2 layout" in printed and "Pacer Tables 1/6 layout" in printed
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--policies", "nosuch"], "unknown draft-length policy"),
+    (["--policies", "fixed:k=0"], "[1, 64]"),
+    (["--initial-k", "0"], "--initial-k"),
+    (["--sets", "bogus"], "--sets"),
+])
+def test_bench_policies_bad_flags_exit_2(argv, fragment, capsys):
+    assert main(["bench", "policies", *argv]) == 2
+    assert fragment in capsys.readouterr().err
