@@ -242,7 +242,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
             if span_context.is_valid:
                 trace_id = f"{span_context.trace_id:032x}"
-            claim = (self.coordinator.ownership.claim(session.session_id, security.identity_of(context))
+            claim = (self.coordinator.ownership.claim(session.session_id, security.identity_of(context),
+                                                      on_call_done=context.add_done_callback)
                      if session.session_id else contextlib.nullcontext())
             try:
                 async with claim, contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:

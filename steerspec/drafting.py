@@ -29,7 +29,7 @@ from torch import Tensor
 
 from steerspec import fastpath
 from steerspec.rounds import DecodeConfig
-from steerspec.models.batched import batched_extend
+from steerspec.models.batched import batched_extend, first_logits
 from steerspec.models.kv import CachedLM
 from steerspec.policies.base import DraftLengthPolicy, DraftStep
 from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
@@ -104,29 +104,6 @@ def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, token: Tensor, prob
         drafted.stopped = bool(policy.observe(DraftStep(step, int(token), probs(), hidden)))
 
 
-def _first_logits(rows: Sequence[DraftRow], active: List[int]) -> Tensor:
-    """Logits [A, V] of step 0: one-token feeds in one batched pass, longer feeds alone first."""
-    logits: List[Optional[Tensor]] = [None] * len(active)
-    single: List[int] = []
-    for a, i in enumerate(active):
-        row = rows[i]
-        if row.first_logits is not None:
-            logits[a] = row.first_logits
-            continue
-        feed = list(row.committed[row.lm.length:])
-        if len(feed) == 1:
-            single.append(a)
-        else:
-            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
-    if single:
-        device = rows[active[single[0]]].lm.device
-        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long, device=device)
-        out = batched_extend([rows[active[a]].lm for a in single], feed)
-        for r, a in enumerate(single):
-            logits[a] = out[r : r + 1]
-    return logits[0] if len(logits) == 1 else torch.cat(logits)  # type: ignore[arg-type]
-
-
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """Every row's next block at once; returns one batch-1 DraftBlock per row."""
     if fastpath.applies_any(rows):  # device sampling, one host copy (CUDA); stopping policies stay here
@@ -136,7 +113,7 @@ def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0
-    logits = _first_logits(rows, active) if active else None
+    logits = first_logits(rows, active) if active else None
     while active:
         tokens = _choose([rows[i] for i in active], logits, step, [drafted[i] for i in active])
         for a, i in enumerate(active):

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from steerspec import device_sampling as ds
+from steerspec.models.batched import first_logits
 from steerspec.models.graphed import upload
 from steerspec.models.kv import CachedLM
 from steerspec.sampling import SparseDist
@@ -228,31 +229,6 @@ def _pad_q(q: SparseDist, width: int, device: torch.device) -> SparseDist:
     return SparseDist(ids=ids, probs=probs, floor=floor, vocab=q.vocab).map(lambda t: upload(t, device))
 
 
-def _first_logits(rows: Sequence, active: List[int]) -> Tensor:
-    """Step-0 logits [A, V]: given ones, one-token feeds in one batched pass, longer feeds alone."""
-    from steerspec.models.batched import batched_extend
-
-    logits: List[Optional[Tensor]] = [None] * len(active)
-    single: List[int] = []
-    for a, i in enumerate(active):
-        row = rows[i]
-        if row.first_logits is not None:
-            logits[a] = row.first_logits
-            continue
-        feed = list(row.committed[row.lm.length:])
-        if len(feed) == 1:
-            single.append(a)
-        else:
-            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
-    if single:
-        device = rows[active[single[0]]].lm.device
-        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long).to(device)
-        out = batched_extend([rows[active[a]].lm for a in single], feed)
-        for r, a in enumerate(single):
-            logits[a] = out[r : r + 1]
-    return torch.cat(logits)  # type: ignore[arg-type]
-
-
 def applies_any(rows: Sequence) -> bool:
     """True when some row of a batched draft can take the device path."""
     return any(applies(row.lm, row.policy) for row in rows)
@@ -286,7 +262,7 @@ def draft_blocks(rows: Sequence) -> List[DraftBlock]:
     tokens: List[List[Tensor]] = [[] for _ in rows]
     dists: List[List[SparseDist]] = [[] for _ in rows]
     active = [i for i, k in enumerate(ks) if k > 0]
-    logits = _first_logits(rows, active) if active else None
+    logits = first_logits(rows, active) if active else None
     step = 0
     while active:
         chosen = torch.empty(len(active), dtype=torch.long, device=device)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
-from typing import AsyncIterator, Dict, Optional
+from typing import AsyncIterator, Callable, Dict, Optional
 
 import grpc
 
@@ -88,9 +89,19 @@ class Ownership:
             if await redis.get(key) == token:
                 await redis.delete(key)
 
+    def _call_done(self, session_id: str, token: str, renewer: Optional[asyncio.Task], *_) -> None:
+        """The call ended: stop renewing and free the lease (idempotent with claim's own release)."""
+        if renewer is not None:
+            renewer.cancel()
+        with contextlib.suppress(RuntimeError):  # no running loop: the lease lapses on its own
+            asyncio.get_running_loop().create_task(self._release(session_id, token))
+
     @contextlib.asynccontextmanager
-    async def claim(self, session_id: str, identity: str) -> AsyncIterator[None]:
-        """Hold `session_id` for one call by `identity` (see module docstring)."""
+    async def claim(self, session_id: str, identity: str,
+                    on_call_done: Optional[Callable[[Callable[..., None]], None]] = None) -> AsyncIterator[None]:
+        """Hold `session_id` for one call by `identity` (see module docstring). `on_call_done` (e.g. a
+        gRPC context's add_done_callback) frees the lease when the call ends even if the handler, an
+        async generator parked at a `yield`, is never closed (a server stopped with grace 0)."""
         token = uuid.uuid4().hex
         if not await self._acquire(session_id, token):
             raise ClaimError(grpc.StatusCode.ABORTED,
@@ -105,8 +116,12 @@ class Ownership:
                                    f"{_describe(identity)}: use your own session_id")
             if self._redis is not None:
                 renewer = asyncio.create_task(self._renew(session_id))
+            if on_call_done is not None:
+                on_call_done(functools.partial(self._call_done, session_id, token, renewer))
             yield
         finally:
             if renewer is not None:
                 renewer.cancel()
-            await self._release(session_id, token)
+            # shielded: a server stopping with grace=0 cancels the handler again while it releases,
+            # which would leave the lease to lapse (lease_ttl_s) and ABORT the client's resume meanwhile
+            await asyncio.shield(self._release(session_id, token))

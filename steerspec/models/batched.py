@@ -111,3 +111,27 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         if lm.keep_last_hidden:
             lm.last_hidden = normed[row]
     return first.project(normed)
+
+
+def first_logits(rows: Sequence, active: List[int]) -> Tensor:
+    """Step-0 logits [A, V] of draft rows (`lm`, `committed`, `first_logits`): given ones as they are,
+    one-token feeds in one batched pass, longer feeds alone first. Both draft loops start here."""
+    logits: List[Optional[Tensor]] = [None] * len(active)
+    single: List[int] = []
+    for a, i in enumerate(active):
+        row = rows[i]
+        if row.first_logits is not None:
+            logits[a] = row.first_logits
+            continue
+        feed = list(row.committed[row.lm.length:])
+        if len(feed) == 1:
+            single.append(a)
+        else:
+            logits[a] = row.lm.extend(feed, logits_to_keep=1).logits
+    if single:
+        device = rows[active[single[0]]].lm.device
+        feed = torch.tensor([rows[active[a]].committed[-1] for a in single], dtype=torch.long, device=device)
+        out = batched_extend([rows[active[a]].lm for a in single], feed)
+        for r, a in enumerate(single):
+            logits[a] = out[r : r + 1]
+    return logits[0] if len(logits) == 1 else torch.cat(logits)  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""Shared pieces of the chi-square tests: p-values with rare outcomes pooled, the verifier's exact
+distribution, a prompt with a mixed acceptance, and the engine's round loop sampling the first tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from scipy.stats import chisquare
+
+from steerspec.engine import draft_block, verify_block
+from steerspec.sampling import SamplingParams, probs_from_logits
+
+P_MIN = 1e-3
+MIN_EXPECTED = 5.0
+
+
+def chi_square_p(counts: Counter, expected_probs: dict, n: int) -> float:
+    """p-value of observed counts against expected probabilities, pooling rare outcomes."""
+    for outcome in counts:
+        assert expected_probs.get(outcome, 0.0) > 0, f"sampled {outcome}, which has probability 0"
+    common = [o for o, p in expected_probs.items() if p * n >= MIN_EXPECTED]
+    observed = [counts.get(o, 0) for o in common]
+    expected = [expected_probs[o] * n for o in common]
+    rest_obs = n - sum(observed)
+    rest_exp = n - sum(expected)
+    if rest_exp >= 1e-9:
+        observed.append(rest_obs)
+        expected.append(rest_exp)
+    assert len(observed) >= 3, "too few bins for a meaningful test"
+    return float(chisquare(observed, expected).pvalue)
+
+
+def verifier_probs(model, ids, params: SamplingParams) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor(ids)).logits[:, -1]
+    return probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+
+
+def pick_prompt(verifier, drafter, tok, prompts, params, max_tokens=16):
+    """A prompt prefix where the drafter's first proposal is accepted about half the time."""
+    best, best_gap = None, 2.0
+    for text in prompts[:16]:
+        ids = tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
+        p = verifier_probs(verifier, [ids], params)[0]
+        q = verifier_probs(drafter, [ids], params)[0]
+        acceptance = 1.0 - 0.5 * float((p - q).abs().sum())  # P(first draft accepted) = 1 - TV(p, q)
+        gap = abs(acceptance - 0.5) + (1.0 if float(p.max()) > 0.9 else 0.0)
+        if gap < best_gap:
+            best, best_gap = ids, gap
+    return best
+
+
+def sample_tokens(v, d, ids, config, k, g_draft, g_verify, accepted_counts, n_tokens=2):
+    """The engine's round loop (draft_block, verify_block, commit, drafter rollback) until `n_tokens`
+    tokens are committed; then both caches go back to the prompt, ready for the next sample."""
+    committed = list(ids)
+    base = v.length
+    while len(committed) < len(ids) + n_tokens:
+        n = len(committed)
+        block = draft_block(d, committed, k, config, g_draft)
+        outcome, _ = verify_block(v, committed[-1], block, config, g_verify)
+        accepted = int(outcome.accepted[0])
+        accepted_counts[accepted] += 1
+        if d.length > n + accepted:
+            d.rollback(n + accepted)
+        committed += block.tokens[0, :accepted].tolist() + [int(outcome.next_tokens[0])]
+    v.rollback(base)
+    d.rollback(min(d.length, len(ids) - 1))
+    return tuple(committed[len(ids):len(ids) + n_tokens])
