@@ -477,14 +477,7 @@ class SessionLoop:
         self.result.blocks.append(stats)
         metrics = self.cfg.metrics
         if metrics is not None:
-            from steerspec.tracing import BlockStages
-
-            metrics.observe_block(drafted=stats.drafted, accepted=stats.accepted,
-                                  stages=BlockStages(rtt_ms=stats.cycle_ms, draft_ms=stats.draft_ms,
-                                                     network_ms=stats.network_ms, queue_ms=stats.queue_ms,
-                                                     verify_ms=stats.verify_ms),
-                                  bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
-                                  committed=stats.committed)
+            metrics.observe_block(stats)
         if span is not None:
             end_block_span(span, stats)
 

@@ -60,10 +60,10 @@ def test_observability_yaml_parses(name):
 
 def test_dashboard_queries_exported_metrics():
     from steerspec.telemetry import SteerSpecMetrics
-    from steerspec.tracing import BlockStages
+    from steerspec.rounds import BlockStats
 
     metrics = SteerSpecMetrics()
-    metrics.observe_block(drafted=4, accepted=2, stages=BlockStages(rtt_ms=3.0), bytes_up=100, bytes_down=20)
+    metrics.observe_block(BlockStats(seq=1, drafted=4, accepted=2, committed=3, cycle_ms=3.0, bytes_up=100, bytes_down=20))
     metrics.observe_generation()
     exported = set(re.findall(r"^(steerspec_\w+?)(?:\{| )", metrics.exposition().decode(), re.M))
     dashboard = json.loads((DEPLOY / "observability" / "grafana-dashboard.json").read_text())

@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
-from steerspec.tracing import BlockStages
+from steerspec.rounds import BlockStats
 
 
 def _samples(text: str) -> dict:
@@ -20,9 +20,9 @@ def _samples(text: str) -> dict:
 
 def test_counters_and_histograms_per_block():
     metrics = SteerSpecMetrics(service="coordinator")
-    stages = BlockStages(rtt_ms=20.0, draft_ms=5.0, network_ms=10.0, queue_ms=1.0, verify_ms=3.5)
-    metrics.observe_block(drafted=8, accepted=3, stages=stages, bytes_up=812, bytes_down=96)
-    metrics.observe_block(drafted=8, accepted=8, stages=stages, bytes_up=812, bytes_down=96)
+    stages = dict(cycle_ms=20.0, draft_ms=5.0, network_ms=10.0, queue_ms=1.0, verify_ms=3.5, bytes_up=812, bytes_down=96)
+    metrics.observe_block(BlockStats(seq=1, drafted=8, accepted=3, committed=4, **stages))
+    metrics.observe_block(BlockStats(seq=2, drafted=8, accepted=8, committed=9, **stages))
     metrics.observe_generation("length")
     s = _samples(metrics.exposition().decode())
     svc = ("service", "coordinator")
@@ -44,7 +44,7 @@ def test_counters_and_histograms_per_block():
 
 def test_registries_are_independent():
     a, b = SteerSpecMetrics(), SteerSpecMetrics()  # no duplicate-registration error, no shared state
-    a.observe_block(drafted=4, accepted=1)
+    a.observe_block(BlockStats(seq=1, drafted=4, accepted=1, committed=2))
     assert a.registry is not b.registry
     sa, sb = _samples(a.exposition().decode()), _samples(b.exposition().decode())
     assert sa[("steerspec_drafts_total", (("service", "coordinator"),))] == 1
@@ -53,7 +53,7 @@ def test_registries_are_independent():
 
 def test_truncated_block_counts_committed_tokens():
     metrics = SteerSpecMetrics()
-    metrics.observe_block(drafted=8, accepted=8, committed=3)
+    metrics.observe_block(BlockStats(seq=1, drafted=8, accepted=8, committed=3))
     s = _samples(metrics.exposition().decode())
     assert s[("steerspec_generated_tokens_total", (("service", "coordinator"),))] == 3
     assert s[("steerspec_accepted_tokens_total", (("position", "8"), ("service", "coordinator")))] == 1
@@ -61,7 +61,7 @@ def test_truncated_block_counts_committed_tokens():
 
 def test_autoregressive_block_counts_no_draft():
     metrics = SteerSpecMetrics()
-    metrics.observe_block(drafted=0, accepted=0, stages=BlockStages(rtt_ms=2.0, verify_ms=1.5))
+    metrics.observe_block(BlockStats(seq=1, drafted=0, accepted=0, committed=1, cycle_ms=2.0, verify_ms=1.5))
     s = _samples(metrics.exposition().decode())
     assert ("steerspec_drafts_total", (("service", "coordinator"),)) not in s
     assert s[("steerspec_generated_tokens_total", (("service", "coordinator"),))] == 1
@@ -69,7 +69,7 @@ def test_autoregressive_block_counts_no_draft():
 
 def test_metrics_server_serves_registry_on_loopback():
     metrics = SteerSpecMetrics()
-    metrics.observe_block(drafted=8, accepted=2, bytes_up=700)
+    metrics.observe_block(BlockStats(seq=1, drafted=8, accepted=2, committed=3, bytes_up=700))
     server, port = start_metrics_server(0, metrics.registry)
     try:
         assert port > 0

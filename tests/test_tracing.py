@@ -11,10 +11,10 @@ import grpc
 import pytest
 
 from steerspec.errors import UsageError
+from steerspec.rounds import overhead_ms
 from steerspec.tracing import (
     BLOCK_SPAN,
     GENERATION_SPAN,
-    BlockStages,
     block_attributes,
     block_span,
     flush_tracing,
@@ -22,7 +22,6 @@ from steerspec.tracing import (
     get_tracer,
     instrument_grpc,
     record_span,
-    set_block_stages,
     setup_tracing,
     shutdown_tracing,
     span_context,
@@ -127,8 +126,9 @@ async def _fake_generation(blocks: int = 3) -> None:
                             await draft.write(dpb.DraftRequest(feedback=dpb.DraftFeedback(result=result, want_block=True)))
                         span.set_attributes(block_attributes(accepted=result.accepted, bytes_up=block.ByteSize(),
                                                              bytes_down=result.ByteSize()))
-                        set_block_stages(span, BlockStages(rtt_ms=2.0 + seq, draft_ms=0.5, network_ms=1.0,
-                                                           queue_ms=0.1, verify_ms=0.2 * seq))
+                        stages = dict(draft_ms=0.5, network_ms=1.0, queue_ms=0.1, verify_ms=0.2 * seq)
+                        span.set_attributes(block_attributes(rtt_ms=2.0 + seq, **stages,
+                                                             overhead_ms=overhead_ms(2.0 + seq, **stages)))
                 await draft.write(dpb.DraftRequest(close=dpb.DraftClose(reason="done")))
                 await verify.done_writing()
                 await draft.done_writing()

@@ -5,12 +5,12 @@ Usage in the coordinator::
     metrics = SteerSpecMetrics()                  # own CollectorRegistry
     server = start_metrics_server(args.metrics_port, metrics.registry)
     ...
-    metrics.observe_block(drafted=k, accepted=a, stages=BlockStages(...), bytes_up=.., bytes_down=..)
+    metrics.observe_block(stats)                 # a steerspec.rounds.BlockStats, one per block
 
 Names: ``steerspec_drafts_total``, ``steerspec_draft_tokens_total``,
 ``steerspec_accepted_tokens_total{position}`` (1-based draft position), histograms
-``steerspec_round_trip_ms`` and ``steerspec_stage_ms{stage}`` (draft, network, queue, verify,
-overhead), ``steerspec_bytes_up`` / ``steerspec_bytes_down`` per block, plus generations and
+``steerspec_round_trip_ms`` (the block's whole cycle, BlockStats.cycle_ms) and
+``steerspec_stage_ms{stage}`` (draft, network, queue, verify, overhead), ``steerspec_bytes_up`` / ``steerspec_bytes_down`` per block, plus generations and
 generated tokens.
 """
 
@@ -21,7 +21,8 @@ from typing import Any, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
-from steerspec.tracing import STAGES, BlockStages
+from steerspec.rounds import BlockStats
+from steerspec.tracing import STAGES
 
 # Milliseconds: sub-ms overheads up to multi-second verifier stalls.
 MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -54,37 +55,23 @@ class SteerSpecMetrics:
                                     buckets=BYTE_BUCKETS, registry=self.registry)
         self._lock = threading.Lock()
 
-    def observe_block(
-        self,
-        drafted: int,
-        accepted: int,
-        stages: Optional[BlockStages] = None,
-        bytes_up: Optional[float] = None,
-        bytes_down: Optional[float] = None,
-        committed: Optional[int] = None,
-    ) -> None:
-        """Record one verified block: ``accepted`` of ``drafted`` draft tokens.
-
-        ``committed`` is how many tokens the block added to the output (default ``accepted + 1``;
-        less on a block truncated at max_new_tokens or EOS).
-        """
+    def observe_block(self, stats: BlockStats) -> None:
+        """Record one verified block from its BlockStats: `accepted` of `drafted` draft tokens, the
+        `committed` tokens it added, its cycle as the round trip, its stages and its bytes."""
         s = self.service
         with self._lock:
-            if drafted > 0:
+            if stats.drafted > 0:
                 self.drafts.labels(s).inc()
-                self.draft_tokens.labels(s).inc(drafted)
-            for position in range(1, accepted + 1):
+                self.draft_tokens.labels(s).inc(stats.drafted)
+            for position in range(1, stats.accepted + 1):
                 self.accepted_tokens.labels(s, str(position)).inc()
-            self.generated_tokens.labels(s).inc(accepted + 1 if committed is None else committed)
-            if stages is not None:
-                self.round_trip.labels(s).observe(stages.rtt_ms)
-                for name, value in zip(STAGES, (stages.draft_ms, stages.network_ms, stages.queue_ms,
-                                                stages.verify_ms, stages.overhead_ms)):
-                    self.stage.labels(s, name).observe(value)
-            if bytes_up is not None:
-                self.bytes_up.labels(s).observe(bytes_up)
-            if bytes_down is not None:
-                self.bytes_down.labels(s).observe(bytes_down)
+            self.generated_tokens.labels(s).inc(stats.committed)
+            self.round_trip.labels(s).observe(stats.cycle_ms)
+            for name, value in zip(STAGES, (stats.draft_ms, stats.network_ms, stats.queue_ms,
+                                            stats.verify_ms, stats.overhead_ms)):
+                self.stage.labels(s, name).observe(value)
+            self.bytes_up.labels(s).observe(stats.bytes_up)
+            self.bytes_down.labels(s).observe(stats.bytes_down)
 
     def observe_generation(self, finish_reason: str = "length") -> None:
         self.generations.labels(self.service, finish_reason).inc()

@@ -52,7 +52,6 @@ __all__ = [
     "GENERATION_SPAN",
     "VERIFIER_FORWARD_SPAN",
     "VERIFIER_QUEUE_SPAN",
-    "BlockStages",
     "JsonlSpanExporter",
     "block_attributes",
     "block_span",
@@ -62,7 +61,6 @@ __all__ = [
     "instrument_grpc",
     "now_ns",
     "record_span",
-    "set_block_stages",
     "setup_tracing",
     "shutdown_tracing",
     "span_context",
@@ -380,44 +378,6 @@ def generation_span(tracer: trace.Tracer, **attributes: Any) -> Iterator[Span]:
         yield span
 
 
-@dataclass
-class BlockStages:
-    """The cost of one round trip, in milliseconds.
-
-    rtt_ms here is the block's whole cycle (BlockStats.cycle_ms: from asking the drafter for the
-    block to its result committed); overhead_ms is what is left of it after draft, (emulated)
-    network, queue and verify time: the same `steerspec.rounds.overhead_ms` BlockStats reports.
-    """
-
-    rtt_ms: float
-    draft_ms: float = 0.0
-    network_ms: float = 0.0
-    queue_ms: float = 0.0
-    verify_ms: float = 0.0
-
-    @property
-    def overhead_ms(self) -> float:
-        from steerspec.rounds import overhead_ms  # the one definition (BlockStats uses it too)
-
-        return overhead_ms(self.rtt_ms, self.draft_ms, self.network_ms, self.queue_ms, self.verify_ms)
-
-    def as_dict(self) -> Dict[str, float]:
-        return {
-            "draft_ms": self.draft_ms,
-            "network_ms": self.network_ms,
-            "queue_ms": self.queue_ms,
-            "verify_ms": self.verify_ms,
-            "overhead_ms": self.overhead_ms,
-            "rtt_ms": self.rtt_ms,
-        }
-
-
-def set_block_stages(span: Span, stages: BlockStages) -> None:
-    """Put the stage breakdown of one round trip on its block span."""
-    if span.is_recording():
-        span.set_attributes(_attrs({k: float(v) for k, v in stages.as_dict().items()}))
-
-
 @contextlib.contextmanager
 def block_span(
     tracer: trace.Tracer,
@@ -428,7 +388,7 @@ def block_span(
     """A span around one round trip (draft → verify → commit) of a generation.
 
     Set the rest when known: ``span.set_attributes(block_attributes(accepted=.., bytes_up=..,
-    bytes_down=..))`` and ``set_block_stages(span, BlockStages(rtt_ms=.., draft_ms=.., ...))``.
+    bytes_down=..))``; the coordinator ends it with its BlockStats (coordinator/results.end_block_span).
     """
     with tracer.start_as_current_span(BLOCK_SPAN, attributes=_attrs({"block": int(seq), "k": k, **attributes})) as span:
         yield span
