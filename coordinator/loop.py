@@ -11,7 +11,7 @@ round trip per token over the same link; the verifier's next token of an empty b
 sampled token.
 
 Failover: a replica that fails (UNAVAILABLE, or its stream ends without a status) is dropped from
-the registry, the session is re-placed and both streams are reopened from the committed prefix
+the registry (a full one, RESOURCE_EXHAUSTED, stays registered: it is alive), the session is re-placed and both streams are reopened from the committed prefix
 (prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
 replaced by another, or by verifier-only decoding when none is left.
 
@@ -236,9 +236,10 @@ class SessionLoop:
     async def _replica_lost(self, lost: ReplicaLost) -> None:
         self._timeout()  # past the deadline, a failure is the deadline's, not the replica's
         log.warning("session %s: lost %s", self.req.session_id, lost)
-        self.failed[lost.kind].add(lost.address)
+        self.failed[lost.kind].add(lost.address)  # this session tries it no more
         self._unplace(lost.kind, lost.address)
-        await self.cfg.placer.mark_failed(lost.kind, lost.address)
+        if not lost.full:  # a full replica is alive: it stays registered for other sessions
+            await self.cfg.placer.mark_failed(lost.kind, lost.address)
         self._count_resume()
 
     async def _checkpoint_placement(self) -> None:
