@@ -15,6 +15,10 @@ the registry (a full one, RESOURCE_EXHAUSTED, stays registered: it is alive), th
 (prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
 replaced by another, or by verifier-only decoding when none is left.
 
+When the store (Redis) fails under a running session, the session goes on without checkpoints
+(placement from the registry's last listing, see coordinator.placement; the store stops writing
+its tokens); the coordinator logs and counts it when the session ends.
+
 Per block it records rtt_ms (verifier send → result, emulated link included), draft_ms (asking
 the drafter → its block arriving: the local hop both ways (the feedback or open going out, the
 block coming back) plus drafter compute and queueing; draft_compute_ms is the drafter's own compute
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import grpc
+from redis.exceptions import RedisError
 
 from coordinator.placement import Placer
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
@@ -243,9 +248,18 @@ class SessionLoop:
         self._count_resume()
 
     async def _checkpoint_placement(self) -> None:
+        """Record where the session runs; when the store fails, the session goes on without checkpoints."""
+        store = self.cfg.store
+        if store.checkpoint_lost(self.req.session_id):
+            return
         placement = {"verifier": self.verifier.address if self.verifier else "",
                      "drafter": self.drafter.address if (self.drafter and self.use_drafter) else ""}
-        await self.cfg.store.set_placement(self.req.session_id, placement)
+        try:
+            await store.set_placement(self.req.session_id, placement)
+        except RedisError as exc:
+            log.warning("session %s: the store failed (%s): going on without checkpoints", self.req.session_id,
+                        (str(exc).splitlines() or [""])[0])
+            store.mark_lost(self.req.session_id)
 
     # -- streams ----------------------------------------------------------------------------
     async def _open_verifier(self) -> None:
