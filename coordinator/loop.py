@@ -11,9 +11,13 @@ round trip per token over the same link; the verifier's next token of an empty b
 sampled token.
 
 Failover: a replica that fails (UNAVAILABLE, or its stream ends without a status) is dropped from
-the registry, the session is re-placed and both streams are reopened from the committed prefix
+the registry (a full one, RESOURCE_EXHAUSTED, stays registered: it is alive), the session is re-placed and both streams are reopened from the committed prefix
 (prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
 replaced by another, or by verifier-only decoding when none is left.
+
+When the store (Redis) fails under a running session, the session goes on without checkpoints
+(placement from the registry's last listing, see coordinator.placement; the store stops writing
+its tokens); the coordinator logs and counts it when the session ends.
 
 Per block it records rtt_ms (verifier send → result, emulated link included), draft_ms (asking
 the drafter → its block arriving: the local hop both ways (the feedback or open going out, the
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import grpc
+from redis.exceptions import RedisError
 
 from coordinator.placement import Placer
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
@@ -236,15 +241,25 @@ class SessionLoop:
     async def _replica_lost(self, lost: ReplicaLost) -> None:
         self._timeout()  # past the deadline, a failure is the deadline's, not the replica's
         log.warning("session %s: lost %s", self.req.session_id, lost)
-        self.failed[lost.kind].add(lost.address)
+        self.failed[lost.kind].add(lost.address)  # this session tries it no more
         self._unplace(lost.kind, lost.address)
-        await self.cfg.placer.mark_failed(lost.kind, lost.address)
+        if not lost.full:  # a full replica is alive: it stays registered for other sessions
+            await self.cfg.placer.mark_failed(lost.kind, lost.address)
         self._count_resume()
 
     async def _checkpoint_placement(self) -> None:
+        """Record where the session runs; when the store fails, the session goes on without checkpoints."""
+        store = self.cfg.store
+        if store.checkpoint_lost(self.req.session_id):
+            return
         placement = {"verifier": self.verifier.address if self.verifier else "",
                      "drafter": self.drafter.address if (self.drafter and self.use_drafter) else ""}
-        await self.cfg.store.set_placement(self.req.session_id, placement)
+        try:
+            await store.set_placement(self.req.session_id, placement)
+        except RedisError as exc:
+            log.warning("session %s: the store failed (%s): going on without checkpoints", self.req.session_id,
+                        (str(exc).splitlines() or [""])[0])
+            store.mark_lost(self.req.session_id)
 
     # -- streams ----------------------------------------------------------------------------
     async def _open_verifier(self) -> None:

@@ -8,15 +8,23 @@ and those the caller excludes (seen failing), are skipped. A kind can be pinned 
 addresses: a coordinator given its edge-local drafters drafts on those while one is live, even
 when a shared registry also lists other edges' drafters (the only remote hop stays the
 verifier's), and falls back to any other live one when none of its own is left.
+
+While the registry (Redis) fails, placement goes on from the replicas it listed last (less those
+seen failing since), so running sessions can still fail over; a log line says so.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
-from typing import Collection, Dict, Iterable, Optional
+from typing import Collection, Dict, Iterable, List, Optional
 
-from steerspec.store import Store
+from redis.exceptions import RedisError
+
+from steerspec.store import Endpoint, Store
+
+log = logging.getLogger(__name__)
 
 
 class NoReplica(RuntimeError):
@@ -29,11 +37,24 @@ class Placer:
         self.pinned = {kind: frozenset(addresses) for kind, addresses in (pinned or {}).items() if addresses}
         self.in_use: Counter = Counter()  # (kind, address) -> sessions placed by this coordinator
         self._turn = itertools.count()
+        self._known: Dict[str, List[Endpoint]] = {}  # kind -> what the registry listed last
+
+    async def live(self, kind: str) -> List[Endpoint]:
+        """The registry's live replicas of `kind`; while it fails, those it listed last."""
+        try:
+            live = await self.store.live(kind)
+        except RedisError as exc:
+            known = self._known.get(kind, [])
+            log.warning("the registry failed (%s): placing on the %d %s replicas it listed last",
+                        (str(exc).splitlines() or [""])[0], len(known), kind)
+            return list(known)
+        self._known[kind] = list(live)
+        return live
 
     async def choose(self, kind: str, exclude: Iterable[str] = ()) -> Optional[str]:
         """The least loaded live replica of `kind` not in `exclude`, or None."""
         skip = set(exclude)
-        live = [e for e in await self.store.live(kind) if e.address not in skip]
+        live = [e for e in await self.live(kind) if e.address not in skip]
         preferred = [e for e in live if e.address in self.pinned.get(kind, ())]
         live = preferred or live
         if not live:
@@ -67,4 +88,8 @@ class Placer:
 
     async def mark_failed(self, kind: str, address: str) -> None:
         """A replica that failed mid-session: drop it from the registry until it heartbeats again."""
-        await self.store.expire(kind, address)
+        self._known[kind] = [e for e in self._known.get(kind, []) if e.address != address]
+        try:
+            await self.store.expire(kind, address)
+        except RedisError as exc:
+            log.warning("could not drop %s %s from the registry: %s", kind, address, (str(exc).splitlines() or [""])[0])

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace as otel_trace
 from redis.exceptions import RedisError
 
+from coordinator import counters
 from coordinator.admission import Admission
 from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
@@ -175,14 +176,27 @@ class Coordinator:
                 async for chunk in chunks:
                     yield coordinator_pb2.GenerateResponse(chunk=_chunk_proto(chunk, text.push(chunk.token_ids)))
         except SessionError as exc:
-            await store.finish_session(request.session_id, "failed", exc.code.name)
+            await self._finish(request.session_id, "failed", exc.code.name)
             raise
         result = loop.result
-        await store.finish_session(request.session_id, "done", result.stop_reason)
+        await self._finish(request.session_id, "done", result.stop_reason)
         if self.config.metrics is not None:
             self.config.metrics.observe_generation(result.stop_reason)
         result.text = text.text
         yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
+
+
+    async def _finish(self, session_id: str, status: str, reason: str) -> None:
+        """Record the session's end; a session that went on without checkpoints is logged and counted."""
+        try:
+            written = await self.store.finish_session(session_id, status, reason)
+        except RedisError as exc:
+            log.warning("session %s: the store failed at its end: %s", session_id, (str(exc).splitlines() or [""])[0])
+            written = False
+        if not written:
+            log.warning("session %s ended (%s) without complete checkpoints: the store (Redis) failed during it; "
+                        "a resume starts from its last stored prefix", session_id, status)
+            counters.count("steerspec_sessions_uncheckpointed")
 
 
 def check_verification(spec: str, allow_lossy: bool) -> None:

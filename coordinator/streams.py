@@ -31,11 +31,12 @@ class SessionError(Exception):
 
 
 class ReplicaLost(Exception):
-    """A replica failed under a session (UNAVAILABLE or a stream cut short): re-place the session."""
+    """A replica failed under a session (UNAVAILABLE or a stream cut short), or is full
+    (RESOURCE_EXHAUSTED, `full`): re-place the session. A full replica is alive and stays registered."""
 
-    def __init__(self, kind: str, address: str, detail: str):
+    def __init__(self, kind: str, address: str, detail: str, full: bool = False):
         super().__init__(f"{kind} {address}: {detail}")
-        self.kind, self.address, self.detail = kind, address, detail
+        self.kind, self.address, self.detail, self.full = kind, address, detail, full
 
 
 class Channels:
@@ -97,7 +98,8 @@ class Stream:
         code = await self.call.code()
         details = await self.call.details()
         if code in (grpc.StatusCode.OK, None) or code in FAILOVER_CODES:
-            return ReplicaLost(self.kind, self.address, f"stream ended early ({code.name if code else '?'}: {details})")
+            return ReplicaLost(self.kind, self.address, f"stream ended early ({code.name if code else '?'}: {details})",
+                               full=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return SessionError(code, f"{self.kind} {self.address}: {details}")
 
     async def _final(self, exc: grpc.aio.AioRpcError, wait_s: float = 1.0) -> grpc.aio.AioRpcError:
@@ -120,7 +122,8 @@ class Stream:
     def _lost(self, exc: grpc.aio.AioRpcError) -> Exception:
         self.broken = True
         if exc.code() in FAILOVER_CODES:
-            return ReplicaLost(self.kind, self.address, _status_of(exc))
+            return ReplicaLost(self.kind, self.address, _status_of(exc),
+                               full=exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return SessionError(exc.code(), f"{self.kind} {self.address}: {exc.details()}")
 
     async def close(self, message, wait_s: float = 2.0) -> None:

@@ -431,8 +431,53 @@ def _guard_unary_request(handler, method: str):
                                                response_serializer=handler.response_serializer)
 
 
+class _GuardedContext:
+    """A servicer context whose `read()` ends the call with INVALID_ARGUMENT on a malformed request."""
+
+    def __init__(self, context, method: str) -> None:
+        self._context, self._method = context, method
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def read(self):
+        request = await self._context.read()
+        if isinstance(request, _Malformed):
+            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(self._method, request))
+        return request
+
+
+async def _checked_requests(requests, context, method: str):
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(method, request))
+        yield request
+
+
+def _guard_streaming_request(handler, method: str):
+    """Wrap a request-streaming handler so a malformed message gets INVALID_ARGUMENT (not UNKNOWN),
+    whether the servicer iterates its requests or reads them with `context.read()`."""
+    behavior = handler.stream_stream or handler.stream_unary
+    deserializer = _lenient(handler.request_deserializer)
+    if handler.response_streaming:
+        async def guarded(request_iterator, context):
+            result = behavior(_checked_requests(request_iterator, context, method), _GuardedContext(context, method))
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:
+                await result
+        return grpc.stream_stream_rpc_method_handler(guarded, request_deserializer=deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+    async def guarded_unary(request_iterator, context):
+        return await behavior(_checked_requests(request_iterator, context, method), _GuardedContext(context, method))
+    return grpc.stream_unary_rpc_method_handler(guarded_unary, request_deserializer=deserializer,
+                                                response_serializer=handler.response_serializer)
+
+
 class GuardInterceptor(grpc.aio.ServerInterceptor):
-    """Checks bearer tokens (UNAUTHENTICATED) and turns unparsable unary requests into INVALID_ARGUMENT."""
+    """Checks bearer tokens (UNAUTHENTICATED) and turns unparsable requests (unary or streamed) into INVALID_ARGUMENT."""
 
     def __init__(self, tokens: FrozenSet[str] = frozenset()):
         self._tokens = tuple(t.encode() for t in tokens)
@@ -461,6 +506,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                 return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, refusal)
         if not handler.request_streaming and (handler.unary_unary or handler.unary_stream):
             return _guard_unary_request(handler, method)
+        if handler.request_streaming and (handler.stream_stream or handler.stream_unary):
+            return _guard_streaming_request(handler, method)
         return handler
 
 

@@ -13,6 +13,11 @@ Sessions: `create_session(id, params, placement)`, `set_placement`, `append_toke
 once: the write goes out from a background task (one per session, coalescing whatever was appended
 while the previous write was in flight), so checkpointing adds no round trip to the critical path.
 `flush(id)` waits for those writes (the coordinator calls it when a session ends).
+
+A checkpoint write that still fails after its retries (Redis down) leaves the session without
+checkpoints from then on (`checkpoint_lost(id)`): later tokens are not written (a gap would replay
+wrong tokens on a resume) and `finish_session` does not mark it done, so the stored prefix stays
+valid and a resume continues from it. The generation itself goes on.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 log = logging.getLogger(__name__)
 
 SESSION_TTL_S = 24 * 3600
 WRITE_ATTEMPTS = 4  # a checkpoint write is retried over ~0.7 s (a Redis restart, a stale connection)
+# HSET only on a session hash that exists (after a Redis restart a partial hash would break resumes)
+_HSET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('HSET', KEYS[1], unpack(ARGV))
+end
+return -1
+"""
 # RPUSH at a known offset: a retried write whose first try landed is a no-op, an out-of-order one an error
 _APPEND_AT = """
 local n = redis.call('LLEN', KEYS[1])
@@ -67,6 +79,8 @@ class Store(abc.ABC):
     def __init__(self) -> None:
         self._pending: Dict[str, List[int]] = {}
         self._writers: Dict[str, asyncio.Task] = {}
+        self._lost: Set[str] = set()  # sessions whose checkpoint stopped (see module docstring)
+        self._offsets: Dict[str, int] = {}  # tokens checkpointed per session (idempotent writes)
         self.write_errors = 0
 
     # -- registry ---------------------------------------------------------------------------
@@ -98,9 +112,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def _write_tokens(self, session_id: str, token_ids: List[int]) -> None: ...
 
+    def checkpoint_lost(self, session_id: str) -> bool:
+        """True when the session goes on without checkpoints (a write failed for good)."""
+        return session_id in self._lost
+
+    def mark_lost(self, session_id: str) -> None:
+        """Stop checkpointing this session (its stored prefix stays as it is)."""
+        self._lost.add(session_id)
+        self._pending.pop(session_id, None)
+
     def append_tokens(self, session_id: str, token_ids: List[int]) -> None:
         """Checkpoint committed tokens without waiting (needs a running event loop)."""
-        if not token_ids:
+        if not token_ids or session_id in self._lost:
             return
         self._pending.setdefault(session_id, []).extend(int(t) for t in token_ids)
         writer = self._writers.get(session_id)
@@ -119,6 +142,7 @@ class Store(abc.ABC):
                         await asyncio.sleep(0.1 * 2 ** attempt)
                         continue
                     self.write_errors += 1
+                    self.mark_lost(session_id)
                     log.warning("checkpoint write for session %s failed (the session goes on without "
                                 "checkpoints): %s", session_id, exc)
         if self._writers.get(session_id) is asyncio.current_task():  # done: nothing left for flush to wait on
@@ -134,9 +158,15 @@ class Store(abc.ABC):
             if self._writers.get(sid) is writer:
                 self._writers.pop(sid, None)
 
-    async def finish_session(self, session_id: str, status: str = "done", reason: str = "") -> None:
+    async def finish_session(self, session_id: str, status: str = "done", reason: str = "") -> bool:
+        """Record how the session ended; False (nothing written) when it went on without checkpoints."""
         await self.flush(session_id)
+        if session_id in self._lost:
+            self._lost.discard(session_id)
+            self._offsets.pop(session_id, None)
+            return False
         await self._finish(session_id, status, reason)
+        return True
 
     async def close(self) -> None:
         await self.flush()
@@ -240,7 +270,6 @@ class RedisStore(Store):
 
         self.url = url
         self.prefix = prefix
-        self._offsets: Dict[str, int] = {}  # tokens checkpointed per session (idempotent writes)
         from redis.backoff import ExponentialBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -292,6 +321,7 @@ class RedisStore(Store):
         return [Endpoint(kind, a, json.loads(m)) for a, m in zip(addresses, metas) if m is not None]
 
     async def create_session(self, session_id, params, placement):
+        self._lost.discard(session_id)
         key = self._sess(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(key, key + ":tokens")
@@ -302,7 +332,7 @@ class RedisStore(Store):
         self._offsets[session_id] = 0
 
     async def set_placement(self, session_id, placement):
-        await self._redis.hset(self._sess(session_id), "placement", json.dumps(placement))
+        await self._redis.eval(_HSET_IF_EXISTS, 1, self._sess(session_id), "placement", json.dumps(placement))
 
     async def get_session(self, session_id):
         key = self._sess(session_id)
@@ -326,7 +356,7 @@ class RedisStore(Store):
 
     async def _finish(self, session_id, status, reason):
         self._offsets.pop(session_id, None)
-        await self._redis.hset(self._sess(session_id), mapping={"status": status, "finish_reason": reason})
+        await self._redis.eval(_HSET_IF_EXISTS, 1, self._sess(session_id), "status", status, "finish_reason", reason)
 
     async def close(self):
         await super().close()

@@ -1,4 +1,5 @@
-"""Pytest fixture `redis_url`: a real redis-server on a free loopback port (one per test session).
+"""Pytest fixture `redis_url`: a real redis-server on a free loopback port (one per test session);
+`RedisProcess`: one a test may kill and restart on its port.
 
 Skips only when the `redis-server` binary is absent (`make test` installs it).
 """
@@ -57,3 +58,41 @@ def redis_url():
             shutil.rmtree(workdir, ignore_errors=True)
         return
     pytest.fail("could not start redis-server on a loopback port")
+
+
+class RedisProcess:
+    """A redis-server of this test on a fixed loopback port, which the test may kill and restart."""
+
+    def __init__(self):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.skip("redis-server is not installed (run `make test`, which installs it)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.dir = tempfile.mkdtemp(prefix="steerspec-redis-own-")
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

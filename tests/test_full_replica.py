@@ -11,8 +11,9 @@ import pytest
 
 from coord_helpers import greedy_reference
 from coordinator.local import LocalCluster
-from service_helpers import open_verifier
-from steerspec.v1 import verifier_pb2_grpc
+from coordinator.streams import SessionError
+from service_helpers import open_verifier, wait_for_stats
+from steerspec.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.capacity import default_cache_mb
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,3 +38,32 @@ def test_default_cache_budget_is_bounded():
     """--max-cache-mb defaults to a share of the device's memory, never 'no limit'."""
     mb = default_cache_mb("cpu")
     assert 64.0 <= mb < float("inf")
+
+
+async def test_full_replica_stays_registered(tiny_pair):
+    """A full replica is alive: it is skipped for the session it refused but stays in the registry, so
+    a later session is placed there once it has room.
+
+    Reproduction (before): RESOURCE_EXHAUSTED dropped the replica from the registry like a dead one;
+    with the other replica gone, the next session got UNAVAILABLE "no live verifier replica" although
+    the full one had room again (until a heartbeat, here every 20 s, registered it again)."""
+    want = greedy_reference(tiny_pair[0], PROMPT, 10)
+    async with LocalCluster(str(tiny_pair[0]), str(tiny_pair[1]), eos_ids=(), verifiers=2, heartbeat_ttl_s=60,
+                            verifier_options={"max_sessions": 1}) as cluster:
+        full = cluster.verifier_targets[0]
+        store = cluster.coordinator.store
+        await cluster.verifier_servers[1].stop(grace=0)  # still registered: the first session finds it dead
+        async with grpc.aio.insecure_channel(full) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            squatter, opened = await open_verifier(stub, [1, 2, 3], session_id="squatter")
+            assert opened.WhichOneof("kind") != "error", opened
+            with pytest.raises(SessionError) as refused:  # the dead one, then the full one: nowhere to go
+                await cluster.generate(PROMPT, max_new_tokens=10, k=4)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert [e.address for e in await store.live("verifier")] == [full]  # alive, so still registered
+            squatter.cancel()
+            stats = await wait_for_stats(lambda: stub.GetVerifierStats(verifier_pb2.GetVerifierStatsRequest()),
+                                         lambda s: s.stats.active_sessions == 0)
+            assert stats.stats.active_sessions == 0
+        later = await cluster.generate(PROMPT, max_new_tokens=10, k=4)  # placed on it now that it has room
+    assert later.token_ids == want

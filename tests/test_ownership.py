@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
-import subprocess
-import tempfile
-import time
 
 import grpc
 import pytest
 
+from conftest_redis import RedisProcess
 from coord_helpers import greedy_reference
 from coordinator.client import Client
 from coordinator.local import LocalCluster
@@ -34,44 +31,6 @@ def _reset_security():
     security.reset()
     yield
     security.reset()
-
-
-class RedisProcess:
-    """A redis-server of this test on a fixed loopback port, which the test may kill and restart."""
-
-    def __init__(self):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            pytest.skip("redis-server is not installed (run `make test`, which installs it)")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="steerspec-redis-own-")
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture

@@ -234,3 +234,37 @@ async def test_garbage_bytes_are_invalid_argument(tiny_pair):
             assert stub is not None
         result = await cluster.generate(PROMPT, max_new_tokens=4, k=4)
         assert len(result.token_ids) == 4
+
+
+@pytest.mark.parametrize("method", ["/steerspec.v1.VerifierService/Verify", "/steerspec.v1.DrafterService/Draft"])
+@pytest.mark.parametrize("after_open", [False, True])
+async def test_streamed_garbage_is_invalid_argument(tiny_pair, method, after_open):
+    """Garbage bytes on a streaming method (first message, or after a valid open) get INVALID_ARGUMENT.
+
+    Reproduction (before, issue 15 item 7): the Verify and Draft streams answered garbage with
+    UNKNOWN (the DecodeError escaped the stream's read); only unary requests were guarded."""
+    from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+    async with LocalCluster(str(tiny_pair[0]), str(tiny_pair[1]), eos_ids=()) as cluster:
+        verify = method.endswith("Verify")
+        target = cluster.verifier_targets[0] if verify else cluster.drafter_targets[0]
+        sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+        opening = (verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(prompt_ids=PROMPT, sampling=sampling))
+                   if verify else drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
+                       prompt_ids=PROMPT, sampling=sampling, k=2, max_new_tokens=8)))
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)(
+                timeout=20)
+            if after_open:
+                await call.write(opening.SerializeToString())
+                assert await call.read() is not grpc.aio.EOF
+            await call.write(b"\xff\xff\xff\xff\x0f garbage")
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+                await call.wait_for_connection()
+                raise AssertionError(f"stream ended with {await call.code()}")
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value
+            assert "not a valid protobuf" in bad.value.details()
+        result = await cluster.generate(PROMPT, max_new_tokens=4, k=2)  # both still serve
+        assert len(result.token_ids) == 4

@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|sd2|hop|overlap|step|sprinter|policies`: benchmarks that print a table and write JSON."""
+"""`steerspec bench engine|remote|sd2|hop|overlap|step|sprinter|policies|soak`: benchmarks that print a table and write JSON."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -10,6 +10,7 @@ COMMANDS = (
     ("sprinter", "steerspec.bench.sprinter", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),
     ("overlap", "steerspec.bench.overlap", "teacher-forced draft acceptance Σ min(p, q) per drafter and q truncation"),
     ("policies", "steerspec.bench.policies", "draft-length policies (GammaTune Table 2, Pacer Tables 1/6 layouts) at RTTs"),
+    ("soak", "steerspec.bench.soak", "chaos soak: clients generate while parts are killed; nothing lost, repeated or wrong"),
     ("step", "steerspec.bench.step", "per-step latencies (drafter step, k+1 extend, draft/verify block) vs an HF floor"),
 )
 
