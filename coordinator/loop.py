@@ -47,7 +47,7 @@ from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, sta
 from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K
-from steerspec.policies.registry import PolicyError, parse_spec
+from steerspec.policies.registry import PolicyError, max_block, parse_spec
 from steerspec.sampling import SamplingParams
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -124,11 +124,23 @@ class SessionRequest:
             raise _invalid(str(exc)) from None
         try:
             parse_spec(self.policy or "fixed")
+            limit = self.block_limit
         except PolicyError as exc:
             raise _invalid(str(exc)) from None
+        if self.mode == "speculative" and not (1 <= limit <= MAX_K):
+            raise _invalid(f"policy {self.policy}: a block of up to {limit} draft tokens is outside [1, {MAX_K}]; "
+                           "lower its k/max/gmax")
         if not self.session_id:
             self.session_id = uuid.uuid4().hex
         return self
+
+    @property
+    def block_limit(self) -> int:
+        """Most draft tokens per block, what both services are opened with: k for a bare `fixed`,
+        otherwise the policy's own bound (gmax, max or k of its spec), so adaptive policies draft as
+        long through the services as in process."""
+        spec = (self.policy or "fixed").strip()
+        return self.k if spec == "fixed" else max_block(spec)
 
     def params(self) -> Dict[str, object]:
         """JSON-ready record of the request (the session's checkpointed parameters)."""
@@ -274,7 +286,7 @@ class SessionLoop:
             stream = Stream("verifier", address, call)
             opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
-                seed=self._stream_seed(), max_k=self.req.k if self.use_drafter else 0, steering=self.req.steering))
+                seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering))
             try:
                 await self.link.up(opening.ByteSize())  # the open crosses the emulated link too
                 await stream.write(opening)
@@ -318,7 +330,7 @@ class SessionLoop:
             stream = Stream("drafter", address, call)
             opening = drafter_pb2.DraftOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
-                seed=self._stream_seed(), k=self.req.k, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
+                seed=self._stream_seed(), k=self.req.block_limit, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
                 max_new_tokens=self.remaining, policy_state=self.policy_state,
                 traceparent=self._begin_block_span())
             if self.steering is not None:

@@ -29,7 +29,7 @@ _KEYS = {
 }
 
 
-@register("gammatune", dict(_KEYS), doc="GammaTune (Algorithm 1)")
+@register("gammatune", dict(_KEYS), doc="GammaTune (Algorithm 1)", length_keys=("k", "gmax"))
 class GammaTune(PolicyBase):
     """Algorithm 1: expansion by δ on full acceptance, EWMA with η, clamp to [γ_min, γ_max], ceil."""
 

@@ -14,7 +14,7 @@ from steerspec.policies.registry import Key, register
 
 
 @register("heuristic", {"k": Key(int, 5, "initial tokens per block"), "max": Key(int, MAX_K, "cap on k")},
-          doc="HF assisted generation: +2 when all accepted, -1 otherwise")
+          doc="HF assisted generation: +2 when all accepted, -1 otherwise", length_keys=("max",))
 class Heuristic(PolicyBase):
     """k grows by 2 after a fully accepted block and shrinks by 1 (never below 1) otherwise."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from steerspec.policies.base import MAX_K, BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
 from steerspec.policies.registry import Key, register
 
 
@@ -24,7 +24,7 @@ from steerspec.policies.registry import Key, register
                       "a0": Key(float, 0.7, "prior per-position acceptance"),
                       "beta": Key(float, 0.2, "EWMA weight of new observations"),
                       "stop": Key(bool, True, "stop early on low drafter confidence")},
-          doc="latency-aware: argmax expected tokens per second from measured costs")
+          doc="latency-aware: argmax expected tokens per second from measured costs", length_keys=("max",))
 class LatencyAware(PolicyBase):
     """Chooses k from per-position acceptance estimates and the measured block costs."""
 

@@ -46,16 +46,18 @@ class PolicyEntry:
     factory: Callable[..., DraftLengthPolicy]
     keys: Dict[str, Key] = field(default_factory=dict)
     doc: str = ""
+    length_keys: Tuple[str, ...] = ("k",)  # keys whose largest value bounds a block's length
 
 
 _REGISTRY: Dict[str, PolicyEntry] = {}
 
 
-def register(name: str, keys: Dict[str, Key], doc: str = "") -> Callable:
-    """Class decorator: register a policy under `name` with its keys (factory(**params, context=))."""
+def register(name: str, keys: Dict[str, Key], doc: str = "", length_keys: Tuple[str, ...] = ("k",)) -> Callable:
+    """Class decorator: register a policy under `name` with its keys (factory(**params, context=));
+    `length_keys` name the keys whose largest value is the most tokens one block can hold."""
 
     def wrap(factory: Callable) -> Callable:
-        _REGISTRY[name] = PolicyEntry(name, factory, dict(keys), doc)
+        _REGISTRY[name] = PolicyEntry(name, factory, dict(keys), doc, tuple(length_keys))
         return factory
 
     return wrap
@@ -110,6 +112,15 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
             raise PolicyError(f"policy {name}: {key} given twice")
         params[key] = _convert(name, key, entry.keys[key], raw.strip())
     return name, params
+
+
+def max_block(spec: str) -> int:
+    """The most draft tokens one block of the policy a spec names can hold (its `max_k`), read from
+    the spec without building the policy (no trained head needed): what a service reserves per block."""
+    name, params = parse_spec(spec)
+    entry = _REGISTRY[name]
+    values = [params.get(key, entry.keys[key].default) for key in entry.length_keys]
+    return max(int(v) for v in values)
 
 
 def make_policy(spec: str, context: Optional[PolicyContext] = None) -> DraftLengthPolicy:
