@@ -4,6 +4,8 @@ checks each run's last token exactly. Output equals in-process SPRINTER with the
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -92,3 +94,53 @@ async def test_sprinter_without_a_head_is_failed_precondition(tiny_pair):
             # still serving: an exact request on the same cluster runs
             items = [i async for i in client.agenerate(prompt_ids=[3, 4, 5], max_new_tokens=4, timeout=60)]
             assert isinstance(items[-1], Summary) and not items[-1].lossy and len(items[-1].token_ids) == 4
+
+
+def test_generation_span_marks_sprinter_lossy(bundled, tmp_path):
+    import asyncio
+    import json
+
+    from steerspec.tracing import (GENERATION_SPAN, flush_tracing, get_tracer, instrument_grpc, setup_tracing,
+                                   shutdown_tracing, uninstrument_grpc)
+
+    verifier, drafter, _ = bundled
+    path = tmp_path / "trace.jsonl"
+    setup_tracing("steerspec-test", trace_file=str(path))
+    instrument_grpc()
+
+    async def generate():
+        async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(), allow_lossy=True,
+                                tracer=get_tracer("coordinator")) as cluster:
+            async with cluster.client(retries=0) as client:
+                lossy = await client.acomplete(prompt_ids=PROMPTS[0], max_new_tokens=8, verification=SPEC, timeout=120)
+                exact = await client.acomplete(prompt_ids=PROMPTS[0], max_new_tokens=8, timeout=120)
+                return lossy, exact
+
+    try:
+        lossy, exact = asyncio.run(generate())
+        flush_tracing()
+        spans = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    finally:
+        shutdown_tracing()
+        uninstrument_grpc()
+    roots = {s["trace_id"]: s["attributes"] for s in spans if s["name"] == GENERATION_SPAN}
+    assert roots[lossy.trace_id]["steerspec.lossy"] is True
+    assert roots[lossy.trace_id]["steerspec.verification"] == SPEC
+    assert roots[exact.trace_id]["steerspec.lossy"] is False
+    assert roots[exact.trace_id]["steerspec.verification"] == "exact"
+
+
+def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
+    from steerspec.cli import main
+
+    args = ["run", "def parse(line):", "--transport", "grpc", "--max-new-tokens", "12", "--temperature", "1",
+            "--seed", "3", "--json", "--verification", "sprinter:threshold=0.4,max_run=4"]
+    assert main(args) == 0
+    services = json.loads(capsys.readouterr().out)
+    assert services["transport"] == "grpc" and services["deployment"] == "local"
+    assert services["lossy"] is True and services["verification"] == "sprinter"
+    assert services["verification_spec"] == "sprinter:threshold=0.4,max_run=4"
+    assert services["verifier_calls"] == services["rounds"] < services["generated_tokens"]
+    assert main(args[:-2] + ["--transport", "inproc", "--verification", "sprinter:threshold=0.4,max_run=4"]) == 0
+    in_process = json.loads(capsys.readouterr().out)
+    assert in_process["token_ids"] == services["token_ids"]  # the same seed, the same tokens
