@@ -74,6 +74,8 @@ class Summary:
     resumes: int
     trace_id: str
     retries: int = 0  # client-side reconnects of this call
+    lossy: bool = False  # lossy verification (sprinter): not the verifier's distribution
+    verification: str = "exact"
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -86,7 +88,7 @@ class Summary:
                    stage_ms={"draft": s.draft_ms, "network": s.network_ms, "queue": s.queue_ms,
                              "verify": s.verify_ms, "overhead": s.overhead_ms},
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
-                   retries=retries)
+                   retries=retries, lossy=msg.lossy, verification=msg.verification or "exact")
 
 
 Item = Union[Chunk, Summary]

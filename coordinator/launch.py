@@ -87,6 +87,7 @@ class Services:
     num_threads: Optional[int] = None
     trace_file: Optional[str] = None
     redis_url: Optional[str] = None
+    allow_lossy: bool = False  # the coordinator serves lossy verification (sprinter) requests
     verifier_options: Dict[str, object] = field(default_factory=dict)  # VerifierConfig fields
     drafter_options: Dict[str, object] = field(default_factory=dict)  # DrafterConfig fields
 
@@ -206,7 +207,8 @@ def launch(services: Services, deployment: str = "local", *, address: Optional[s
                         link=services.link.validate(), tokenizer=services.tokenizer, dtype=services.dtype,
                         device=services.device, verifier_options=dict(services.verifier_options),
                         drafter_options=dict(services.drafter_options), num_threads=services.num_threads,
-                        trace_file=services.trace_file, redis_url=services.redis_url)
+                        trace_file=services.trace_file, redis_url=services.redis_url,
+                        allow_lossy=services.allow_lossy)
 
 
 # ------------------------------------------------------------------------------- steerspec run
@@ -223,12 +225,17 @@ def run_distributed(args, prompt_ids: Sequence[int]):
     from steerspec.models.loading import resolve_device
 
     resolve_device(_arg(args, "device", "cpu"))  # a bad or absent device: one line here, not a server's traceback
+    from steerspec.sprinter.spec import parse_verification
+
     mode = _arg(args, "mode", "speculative")
+    lossy = parse_verification(_arg(args, "verification", "exact")).lossy  # asked for on the command line
+    head = _arg(args, "sprinter_head", None)
     services = Services(verifier=str(_arg(args, "verifier", "verifier")),
                         drafter=str(_arg(args, "drafter", "pretrained")),
                         drafters=1 if mode == "speculative" else 0, dtype=_arg(args, "dtype", "float32"),
                         device=_arg(args, "device", "cpu"), link=link_from_args(args),
-                        num_threads=int(_arg(args, "threads", 0)), trace_file=_arg(args, "trace_file", None))
+                        num_threads=int(_arg(args, "threads", 0)), trace_file=_arg(args, "trace_file", None),
+                        allow_lossy=lossy, drafter_options={"sprinter_head": str(head)} if head else {})
     return asyncio.run(_generate_once(services, _arg(args, "deployment", "local"), args, list(prompt_ids)))
 
 
@@ -245,7 +252,7 @@ async def _generate_once(services: Services, deployment: str, args, prompt_ids: 
                 temperature=float(_arg(args, "temperature", 0.0)), top_k=int(_arg(args, "top_k", 0)),
                 top_p=float(_arg(args, "top_p", 1.0)), seed=int(_arg(args, "seed", 0)), k=int(_arg(args, "k", 4)),
                 draft_top_k=int(_arg(args, "draft_top_k", 64)), mode=_arg(args, "mode", "speculative"),
-                policy=str(_arg(args, "policy", "fixed")),
+                policy=str(_arg(args, "policy", "fixed")), verification=str(_arg(args, "verification", "exact")),
                 steering=bool(running.steering) if running else False,
                 timeout=float(_arg(args, "timeout", 600.0)))
         wall = time.perf_counter() - start

@@ -58,6 +58,7 @@ class LocalCluster:
     num_threads: Optional[int] = None  # torch intra-op threads: None = leave as is, 0 = auto (see apply_threads)
     trace_file: Optional[str] = None  # spans of every server here, as JSONL
     redis_url: Optional[str] = None  # registry and checkpoints in Redis (default: `store` or in-process)
+    allow_lossy: bool = False  # the coordinator serves lossy verification (sprinter) requests
 
     def __post_init__(self) -> None:
         self._servers: List[object] = []
@@ -139,7 +140,8 @@ class LocalCluster:
         self.coordinator = Coordinator(store=self.store, verifiers=self.verifier_targets,
                                        drafters=self.drafter_targets, link=self.link, tokenizer=tokenizer,
                                        eos_ids=eos, metrics=self.metrics, tracer=self.tracer,
-                                       heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts))
+                                       heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts),
+                                       allow_lossy=self.allow_lossy)
         running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0)
         self._servers.append(running)
         self.target = running.target
@@ -177,12 +179,16 @@ class LocalCluster:
     async def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
                        mode: str = "speculative", policy: str = "fixed", steering: bool = False,
-                       session_id: str = "", timeout: Optional[float] = None) -> DistributedResult:
+                       session_id: str = "", timeout: Optional[float] = None,
+                       verification: str = "exact") -> DistributedResult:
         """One generation driven by this process's coordinator (no client hop); returns its result."""
+        from coordinator.server import check_verification
+
+        check_verification(verification, self.allow_lossy)
         request = SessionRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                  sampling=SamplingParams(temperature, top_k, top_p), seed=seed, k=k,
                                  draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
-                                 session_id=session_id).validate()
+                                 session_id=session_id, verification=verification).validate()
         await self.coordinator.store.create_session(request.session_id, request.params(), {})
         deadline = None if timeout is None else time.monotonic() + timeout
         loop = SessionLoop(request, self.coordinator.config, deadline=deadline)

@@ -103,6 +103,17 @@ class SessionRequest:
     policy: str = "fixed"
     steering: bool = False
     session_id: str = ""
+    verification: str = "exact"  # or "sprinter[:...]" (lossy; the coordinator admits it only with --allow-lossy)
+
+    @property
+    def lossy(self) -> bool:
+        return self.verification_spec().lossy
+
+    def verification_spec(self):
+        """The parsed verification (steerspec.sprinter.spec.Verification)."""
+        from steerspec.sprinter.spec import parse_verification
+
+        return parse_verification(self.verification)
 
     def validate(self) -> "SessionRequest":
         """Check every field (SessionError INVALID_ARGUMENT naming the bad one); assign a session id."""
@@ -130,6 +141,7 @@ class SessionRequest:
         if self.mode == "speculative" and not (1 <= limit <= MAX_K):
             raise _invalid(f"policy {self.policy}: a block of up to {limit} draft tokens is outside [1, {MAX_K}]; "
                            "lower its k/max/gmax")
+        self._validate_verification()
         if not self.session_id:
             self.session_id = uuid.uuid4().hex
         return self
@@ -142,19 +154,41 @@ class SessionRequest:
         spec = (self.policy or "fixed").strip()
         return self.k if spec == "fixed" else max_block(spec)
 
+    def _validate_verification(self) -> None:
+        """A SPRINTER session: speculative, fixed policy, k = its max_run (the longest run one call verifies)."""
+        from steerspec.sprinter.spec import VerificationError
+
+        try:
+            verification = self.verification_spec()
+        except VerificationError as exc:
+            raise _invalid(str(exc)) from None
+        self.verification = verification.spec()
+        if not verification.lossy:
+            return
+        if self.mode != "speculative":
+            raise _invalid("sprinter verification needs mode 'speculative' (it verifies a drafter's tokens)")
+        if (self.policy or "fixed").split(":")[0] != "fixed":
+            raise _invalid(f"sprinter verification ends runs with its classifier; policy '{self.policy}' does not "
+                           "apply: send policy 'fixed' (or none)")
+        if verification.max_run > MAX_K:
+            raise _invalid(f"sprinter max_run must be at most {MAX_K}, got {verification.max_run}")
+        self.k, self.policy = verification.max_run, "fixed"
+
     def params(self) -> Dict[str, object]:
         """JSON-ready record of the request (the session's checkpointed parameters)."""
         return {"prompt_ids": [int(t) for t in self.prompt_ids], "max_new_tokens": self.max_new_tokens,
                 "temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                 "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
-                "mode": self.mode, "policy": self.policy, "steering": self.steering}
+                "mode": self.mode, "policy": self.policy, "steering": self.steering,
+                "verification": self.verification}
 
     @classmethod
     def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
         return cls(prompt_ids=list(p["prompt_ids"]), max_new_tokens=int(p["max_new_tokens"]),
                    sampling=SamplingParams(float(p["temperature"]), int(p["top_k"]), float(p["top_p"])),
                    seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
-                   policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id)
+                   policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id,
+                   verification=str(p.get("verification", "exact")))
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         s = self.sampling
@@ -188,7 +222,8 @@ class SessionLoop:
         self.generated: List[int] = [int(t) for t in generated]
         self.result = DistributedResult(token_ids=self.generated, mode=request.mode,
                                         prompt_tokens=len(self.prompt), session_id=request.session_id,
-                                        resumes=resumes, restored=len(self.generated))
+                                        resumes=resumes, restored=len(self.generated),
+                                        verification=request.verification)
         self.link = config.link.link(request.session_id)
         self.verifier: Optional[Stream] = None
         self.drafter: Optional[Stream] = None
@@ -286,7 +321,8 @@ class SessionLoop:
             stream = Stream("verifier", address, call)
             opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
-                seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering))
+                seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering,
+                verification=self.req.verification))
             try:
                 await self.link.up(opening.ByteSize())  # the open crosses the emulated link too
                 await stream.write(opening)
@@ -332,7 +368,7 @@ class SessionLoop:
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), k=self.req.block_limit, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
                 max_new_tokens=self.remaining, policy_state=self.policy_state,
-                traceparent=self._begin_block_span())
+                traceparent=self._begin_block_span(), verification=self.req.verification)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             try:
@@ -431,6 +467,13 @@ class SessionLoop:
 
                         block.traceparent = traceparent(span)  # the verifier's spans become its children
                     _truncate_block(block, self.room - 1)  # a block commits at most k + 1 tokens
+                    kept, finish = self._commit_kept(block)
+                    if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
+                        yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))
+                    if finish:  # an EOS among them: no verifier call
+                        if span is not None:
+                            span.end()
+                        break
                     draft_wait_ms = (time.perf_counter() - cycle_start) * 1000.0
                     result, rtt_ms, network_ms, bytes_up, bytes_down = await self._verify(block)
                 except ReplicaLost as lost:
@@ -444,12 +487,14 @@ class SessionLoop:
                     break
                 drafted = len(block.draft_ids)
                 accepted = int(result.accepted)
-                if accepted > drafted or result.committed_length != self.committed_length + accepted + 1:
+                n_kept = len(kept)
+                if not n_kept <= accepted <= drafted or \
+                        result.committed_length != self.committed_length - n_kept + accepted + 1:
                     raise SessionError(grpc.StatusCode.INTERNAL,
                                        f"verifier result does not match the block (accepted {accepted} of {drafted}, "
-                                       f"committed_length {result.committed_length})")
-                new, stop = rounds.commit_block(block.draft_ids, accepted, result.next_token, self.room,
-                                                self.remaining, self.cfg.eos_ids)
+                                       f"{n_kept} kept, committed_length {result.committed_length})")
+                new, stop = rounds.commit_block(block.draft_ids[n_kept:], accepted - n_kept, result.next_token,
+                                                self.room, self.remaining, self.cfg.eos_ids)
                 finish = stop or ""
                 self.generated.extend(new)
                 if result.HasField("steering"):
@@ -468,19 +513,31 @@ class SessionLoop:
                         await self._replica_lost(lost)
                         self._drafter_ok = False  # reopened from the committed prefix before the next block
                 stats = BlockStats(
-                    seq=self.result.rounds, drafted=drafted, accepted=accepted, committed=len(new), rtt_ms=rtt_ms,
+                    seq=self.result.rounds, drafted=drafted, accepted=accepted, committed=n_kept + len(new),
+                    rtt_ms=rtt_ms,
                     draft_ms=draft_wait_ms, draft_compute_ms=float(block.draft_ms), network_ms=network_ms, queue_ms=float(result.queue_ms),
                     verify_ms=float(result.verify_ms), cycle_ms=(committed_at - cycle_start) * 1000.0,
                     bytes_up=bytes_up, bytes_down=bytes_down, batch_size=int(result.batch_size),
                     verifier=self.verifier.address)
                 self._record(stats, span)
-                yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted, drafted=drafted)
+                yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted - n_kept, drafted=drafted - n_kept)
             self.result.stop_reason = finish
         finally:
             self.result.wall_s = time.perf_counter() - start
             await self._close_streams()
             for kind, address in list(self._placed):
                 self._unplace(kind, address)
+
+    def _commit_kept(self, block: common_pb2.DraftBlock) -> Tuple[List[int], str]:
+        """SPRINTER: commit the block's kept tokens now, before its verifier call (the run's last token is
+        always verified) -> (tokens committed, finish reason or "")."""
+        block.kept = min(int(block.kept), max(len(block.draft_ids) - 1, 0))  # after a truncation too
+        if not block.kept:
+            return [], ""
+        new, stop = rounds.commit_tokens(block.draft_ids[:block.kept], self.room, self.remaining, self.cfg.eos_ids)
+        self.generated.extend(new)
+        self.cfg.store.append_tokens(self.req.session_id, new)
+        return new, stop or ""
 
     def _begin_block_span(self) -> str:
         """Start the span of the block being asked for now; its traceparent for the drafter ("" untraced)."""

@@ -39,6 +39,11 @@ class DistributedResult(GenerationResult):
     trace_id: str = ""
     transport: str = "grpc"
     restored: int = 0  # tokens restored from a checkpoint (resumed session): not counted as this run's work
+    verification: str = "exact"  # "sprinter:..." marks a lossy session (not the verifier's distribution)
+
+    @property
+    def lossy(self) -> bool:
+        return self.verification.split(":")[0] == "sprinter"
 
     @property
     def block_efficiency(self) -> float:
@@ -80,8 +85,20 @@ class DistributedResult(GenerationResult):
             "batch_size": round(_mean([x.batch_size for x in self.blocks]), 3),
             "resumes": self.resumes,
             "trace_id": self.trace_id,
+            "verification": self.verification.split(":")[0],
+            "lossy": self.lossy,
         })
+        if self.lossy:
+            out["verification_spec"] = self.verification
+            out["verifier_calls"] = self.rounds
         return out
+
+    def summary(self) -> str:
+        text = super().summary()
+        if self.lossy:
+            text += (f"\nLOSSY ({self.verification}): tokens the drafter's classifier kept were committed without "
+                     f"the verifier ({self.rounds} verifier calls for {self.generated - self.restored} tokens)")
+        return text
 
     def to_summary(self, text: str = "") -> coordinator_pb2.GenerationSummary:
         stages = self.stage_ms()
@@ -94,7 +111,8 @@ class DistributedResult(GenerationResult):
             stage_ms=coordinator_pb2.StageTimes(draft_ms=stages["draft"], network_ms=stages["network"],
                                                 queue_ms=stages["queue"], verify_ms=stages["verify"],
                                                 overhead_ms=stages["overhead"]),
-            wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id)
+            wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id,
+            lossy=self.lossy, verification=self.verification)
 
 
 def end_block_span(span, stats: BlockStats) -> None:

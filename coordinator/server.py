@@ -144,7 +144,7 @@ class Coordinator:
             sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 4)),
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
             mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "fixed")), steering=bool(request.steering),
-            session_id=request.session_id).validate()
+            session_id=request.session_id, verification=request.verification or "exact").validate()
 
     async def generate(self, request: SessionRequest, deadline: Optional[float] = None):
         """Async iterator of GenerateResponse for one session (resumes a checkpointed session_id)."""
@@ -160,13 +160,15 @@ class Coordinator:
             generated = list(record.token_ids)
         else:
             await store.create_session(request.session_id, request.params(), {})
+            if request.lossy and self.config.metrics is not None:
+                self.config.metrics.observe_lossy_session(request.verification_spec().mode)
         text = TextStream(self.tokenizer)
         if generated:
             yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(
                 seq=0, token_ids=generated, text=text.push(generated), accepted=0, drafted=0))
         if record is not None and record.status == "done":
             result = DistributedResult(token_ids=generated, session_id=request.session_id,
-                                       stop_reason=record.finish_reason or "length")
+                                       stop_reason=record.finish_reason or "length", verification=request.verification)
             yield coordinator_pb2.GenerateResponse(summary=result.to_summary(text.text))
             return
         loop = SessionLoop(request, self.config, deadline=deadline, generated=generated,
@@ -215,9 +217,6 @@ def check_verification(spec: str, allow_lossy: bool) -> None:
                            f"verification '{spec}' is lossy (its output is not the verifier's distribution) and "
                            "this coordinator serves exact decoding only: start it with `steerspec serve "
                            "coordinator --allow-lossy` to accept lossy requests, or send verification 'exact'")
-    raise SessionError(grpc.StatusCode.UNIMPLEMENTED,
-                       "sprinter verification runs in-process only so far (`steerspec run --transport inproc "
-                       "--verification sprinter`); the services do not carry it yet")
 
 
 def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:
@@ -251,7 +250,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if tracer is not None:
             span_cm = tracer.start_as_current_span("steerspec.generate", attributes={
                 "steerspec.session_id": session.session_id, "steerspec.mode": session.mode,
-                "steerspec.k": session.k, "steerspec.max_new_tokens": session.max_new_tokens})
+                "steerspec.k": session.k, "steerspec.max_new_tokens": session.max_new_tokens,
+                "steerspec.verification": session.verification, "steerspec.lossy": session.lossy})
         with span_cm:
             span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
             if span_context.is_valid:

@@ -47,7 +47,7 @@ def result_from_summary(summary, prompt_tokens: int, mode: str, wall_s: float) -
                            prompt_tokens=prompt_tokens, rounds=summary.rounds, drafted=summary.drafted,
                            accepted=summary.accepted, wall_s=wall_s, stop_reason=summary.finish_reason,
                            session_id=summary.session_id, resumes=summary.resumes, trace_id=summary.trace_id,
-                           wire_summary=summary)
+                           wire_summary=summary, verification=summary.verification or "exact")
     result.draft_s = summary.stage_ms["draft"] * summary.rounds / 1000.0
     result.verify_s = summary.stage_ms["verify"] * summary.rounds / 1000.0
     return result

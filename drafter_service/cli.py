@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="", metavar="SPEC",
                         help="draft-length policy for sessions that name none, NAME[:key=value,...] "
                              "(default: fixed with the session's k)")
+    parser.add_argument("--sprinter-head", default=None, metavar="DIR",
+                        help="SPRINTER classifier head for lossy sessions (default: MODEL/sprinter)")
     parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -79,7 +81,7 @@ async def _main(args) -> int:
     model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
                            model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms,
-                           policy=args.policy)
+                           policy=args.policy, sprinter_head=args.sprinter_head)
     metrics = service_metrics.start("drafter", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
                                     max_message_bytes=int(args.max_message_mb * 2**20))

@@ -29,8 +29,8 @@ from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from steerspec.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.wire import ProtocolError, code_number
 from drafter_service.batcher import DraftBatcher
-from drafter_service.sessions import (Drafter, DrafterSession, DrafterSessionTable, Proposal, load_policy_state,
-                                     policy_state, resolve_policy)
+from drafter_service.sessions import (Drafter, DrafterSession, DrafterSessionTable, Proposal, SprinterRun,
+                                     load_policy_state, policy_state, resolve_policy)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "steerspec.v1.DrafterService"
@@ -44,6 +44,17 @@ class DrafterConfig:
     model_name: str = ""
     policy: str = ""  # draft-length policy for sessions that name none ("" = fixed with the session's k)
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
+    sprinter_head: Optional[str] = None  # SPRINTER head directory (default: MODEL/sprinter) for lossy sessions
+
+
+def _verification(spec: str):
+    """DraftOpen.verification parsed; INVALID_ARGUMENT for a bad spec."""
+    from steerspec.sprinter.spec import VerificationError, parse_verification
+
+    try:
+        return parse_verification(spec)
+    except VerificationError as exc:
+        raise wire.invalid(f"verification: {exc}") from None
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.DraftResponse:
@@ -63,6 +74,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.table = DrafterSessionTable(model, config.max_sessions)
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
                                     max_batch=config.max_sessions)
+        self._head = None  # the SPRINTER head, loaded by the first lossy session
         self._tracing = None
         self._tracer = None
         try:
@@ -132,15 +144,41 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
-        policy = resolve_policy(msg.policy or self.config.policy, k, self.table.model)
+        verification = _verification(msg.verification)
+        loaded = self._sprinter_head() if verification.lossy else None
+        if loaded is not None:
+            k = verification.max_run
+            if k > MAX_K:
+                raise wire.invalid(f"sprinter max_run {k} exceeds the limit of {MAX_K} draft tokens per block")
+        spec = "fixed" if loaded is not None else (msg.policy or self.config.policy)  # sprinter: runs end by its head
+        policy = resolve_policy(spec, k, self.table.model)
         if msg.policy_state:
             load_policy_state(policy, msg.policy_state)
         steering = self._steering(msg.steering, "DraftOpen.steering")
         generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)
         ids = prompt.tolist()
-        return self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
-                               generator=generator, k=k, draft_top_k=top_k, policy=policy,
-                               max_new_tokens=int(msg.max_new_tokens), steering=steering)
+        session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
+                                  generator=generator, k=k, draft_top_k=top_k, policy=policy,
+                                  max_new_tokens=int(msg.max_new_tokens), steering=steering)
+        if loaded is not None:
+            from steerspec.sprinter.decoding import SprinterScorer
+
+            threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
+            session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold)
+        return session
+
+    def _sprinter_head(self):
+        """The SPRINTER head of this drafter (loaded once); FAILED_PRECONDITION naming the drafter without one."""
+        if self._head is None:
+            from steerspec.errors import UsageError
+            from steerspec.sprinter.head import resolve_head
+
+            drafter_dir = getattr(self.model, "name_or_path", "") or self.config.model_name
+            try:
+                self._head = resolve_head(drafter_dir, self.config.sprinter_head, device=self.model.device)
+            except UsageError as exc:
+                raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return self._head
 
     async def _propose(self, session: DrafterSession, traceparent: str = "") -> drafter_pb2.DraftResponse:
         """Draft the session's next block; its span is a child of the coordinator's block span."""
@@ -152,6 +190,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                     draft_ms=out.draft_ms)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
+        block.kept = out.kept
         block.policy_state = policy_state(session.policy)
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,

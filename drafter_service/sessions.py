@@ -30,6 +30,7 @@ from steerspec.models.loading import kv_bytes_per_token
 from steerspec.policies import BlockFeedback, PolicyContext, PolicyError, make_policy
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
+from steerspec.sprinter.decoding import draft_run
 from steerspec.sampling import SamplingParams, SparseDist
 from steerspec.wire import ProtocolError, invalid
 
@@ -85,6 +86,15 @@ class DraftOutput:
     q: Optional[SparseDist]  # ids/probs [k, S] and floor [k], exactly as the wire decodes them
     draft_ms: float
     batch_size: int = 1  # sessions drafted in the same batched passes
+    kept: int = 0  # SPRINTER: leading drafts committed without verification (DraftBlock.kept)
+
+
+@dataclass
+class SprinterRun:
+    """A lossy SPRINTER session's classifier: runs end at its first predicted rejection."""
+
+    scorer: object  # steerspec.sprinter.decoding.SprinterScorer over the session's cache
+    threshold: float
 
 
 @dataclass
@@ -100,6 +110,7 @@ class DrafterSession:
     policy: object
     max_new_tokens: int  # 0 = no limit
     steering: Optional[Tensor] = None
+    sprinter: Optional[SprinterRun] = None  # lossy SPRINTER session (None: exact)
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False
@@ -164,21 +175,30 @@ class Drafter:
         k = self.block_length(session)
         if self.hooks is not None:
             self._steer(session)
+        kept = 0
         try:
             config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
-            block = draft_block(session.lm, session.committed, k, config, session.generator, session.policy)
+            if session.sprinter is not None:  # a run: token by token until the head predicts a rejection
+                block, flags = draft_run(session.lm, session.committed, k, config, session.generator,
+                                         session.sprinter.scorer, session.sprinter.threshold)
+                kept = max(len(flags) - 1, 0)  # the run's last token is always checked by the verifier
+            else:
+                block = draft_block(session.lm, session.committed, k, config, session.generator, session.policy)
         finally:
             if self.hooks is not None:
                 self.hooks.clear()
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        return self._output(block, start)
+        out = self._output(block, start)
+        out.kept = kept
+        return out
 
     @torch.inference_mode()
     def draft_many(self, sessions: Sequence[DrafterSession]) -> List[DraftOutput]:
         """Propose every session's next block together: one batched forward pass per draft step
         (steerspec.drafting.draft_blocks); each session gets what `draft` gives it alone."""
-        if len(sessions) == 1 or not can_batch([s.lm for s in sessions]):
+        if len(sessions) == 1 or any(s.sprinter is not None for s in sessions) or \
+                not can_batch([s.lm for s in sessions]):
             return [self.draft(session) for session in sessions]
         start = time.perf_counter()
         try:

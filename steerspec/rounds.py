@@ -102,8 +102,14 @@ def commit_block(drafts: Sequence[int], accepted: int, next_token: int, room_lef
                  eos: Sequence[int]) -> Tuple[List[int], Optional[str]]:
     """The tokens a verified block commits (d_1..d_a + next, cut at the room and after the first EOS)
     and why the generation stops after it ("eos" / "length" / "context"), or None to go on."""
-    new = [int(t) for t in drafts[:accepted]] + [int(next_token)]
-    new = new[:room_left]
+    return commit_tokens([int(t) for t in drafts[:accepted]] + [int(next_token)], room_left, remaining, eos)
+
+
+def commit_tokens(tokens: Sequence[int], room_left: int, remaining: int,
+                  eos: Sequence[int]) -> Tuple[List[int], Optional[str]]:
+    """Tokens committed as they are (cut at the room and after the first EOS) and why the generation
+    stops after them, or None. SPRINTER's kept tokens are committed this way, before their verifier call."""
+    new = [int(t) for t in tokens][:max(room_left, 0)]
     for i, t in enumerate(new):
         if t in eos:
             return new[: i + 1], "eos"

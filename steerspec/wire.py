@@ -243,6 +243,7 @@ class WireBlock:
     draft_ids: np.ndarray
     q: Optional[SparseDist]
     draft_ms: float = 0.0
+    kept: int = 0  # SPRINTER: leading drafts kept by the drafter's classifier (accepted without a test)
 
     @property
     def k(self) -> int:
@@ -276,5 +277,7 @@ def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> W
                       "the drafter's sparse distributions")
     if not math.isfinite(msg.draft_ms) or msg.draft_ms < 0:
         raise invalid(f"draft_ms must be a finite time >= 0, got {msg.draft_ms}")
+    if msg.kept > k:
+        raise invalid(f"kept {msg.kept} exceeds the block's {k} draft tokens")
     return WireBlock(seq=int(msg.seq), committed_length=int(msg.committed_length), draft_ids=ids, q=q,
-                     draft_ms=float(msg.draft_ms))
+                     draft_ms=float(msg.draft_ms), kept=int(msg.kept))

@@ -99,6 +99,10 @@ class VerifyRunner:
     @torch.inference_mode()
     def run(self, jobs: List[VerifyJob]) -> List[JobResult]:
         """Verify every job's block in one forward pass; roll each cache back; return results."""
+        if any(job.session.sprinter for job in jobs):  # lossy SPRINTER runs: one call each, as in-process
+            from verifier_service import sprinter_verify
+
+            return sprinter_verify.run_mixed(self, jobs)
         if fast_verify.applies([job.session.lm for job in jobs]):  # one host copy per batch (CUDA)
             return fast_verify.run(self, jobs)
         start = time.perf_counter()

@@ -129,7 +129,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
         session = self.table.open(msg.session_id, len(prompt_ids), max_k, pending=prompt_ids[-1], params=params,
-                                  generator=generator, steering=bool(msg.steering))
+                                  generator=generator, steering=bool(msg.steering),
+                                  sprinter=_lossy(msg.verification))
         start = time.perf_counter()
         try:
             steering = await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, hold=(session,))
@@ -163,6 +164,10 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 f"block {msg.seq} would take the sequence to {session.committed + k} tokens; the "
                                 f"verifier's context is {self.context}: draft fewer tokens or stop")
         block = wire.decode_block(msg, self.vocab_size, session.greedy)
+        if block.kept and not session.sprinter:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"block {msg.seq} marks {block.kept} tokens as kept without verification, but this "
+                                "session verifies exactly; open it with verification 'sprinter' (lossy) or send kept=0")
         self.table.reserve(session, session.committed + k)
         return block
 
@@ -200,6 +205,16 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                       k=block.k, bytes=nbytes)
         t.record_span(self._tracer, t.VERIFIER_FORWARD_SPAN, queue_end, end, parent=parent, block=block.seq,
                       k=block.k, accepted=result.accepted, batch_size=result.batch_size)
+
+
+def _lossy(spec: str) -> bool:
+    """VerifyOpen.verification: True for SPRINTER, False for exact; INVALID_ARGUMENT for a bad spec."""
+    from steerspec.sprinter.spec import VerificationError, parse_verification
+
+    try:
+        return parse_verification(spec).lossy
+    except VerificationError as exc:
+        raise wire.invalid(f"verification: {exc}") from None
 
 
 async def serve(model, config: VerifierConfig, host: str = "127.0.0.1", port: int = 0, steering_head=None,

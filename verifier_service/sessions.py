@@ -34,6 +34,7 @@ class VerifierSession:
     generator: torch.Generator
     max_k: int
     steering: bool
+    sprinter: bool = False  # lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)
     last_seq: Optional[int] = None
     blocks: int = 0
     ready: bool = False

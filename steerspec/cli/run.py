@@ -195,13 +195,14 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     policy = policy_from_args(args)
     verification = parse_verification_arg(args)
     speculative = args.mode == "speculative"
-    if verification.lossy:
-        link = link_from_args(args)
-        if link.enabled or link.jitter_ms:
-            raise UsageError("--rtt-ms, --jitter-ms and --bandwidth-mbps emulate the link between the services; "
-                             "--verification sprinter runs in-process")
-        return _generate_sprinter(args, params, verification)
     runner = _grpc_runner() if args.transport == "grpc" else None
+    if verification.lossy and runner is None:
+        return _generate_sprinter(args, params, verification)
+    if verification.lossy and not getattr(args, "coordinator", None):  # the local services' drafter needs a head
+        from steerspec.models import resolve_model_dir
+        from steerspec.sprinter.head import resolve_head
+
+        resolve_head(resolve_model_dir(args.drafter), args.sprinter_head)
     if args.transport == "grpc" and runner is None:
         sys.stderr.write("steerspec: note: the grpc transport (coordinator.launch) is not installed; "
                          "running in-process\n")
@@ -275,8 +276,6 @@ def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verific
     from steerspec.sprinter.head import resolve_head
     from steerspec.steering.runtime import maybe_steering
 
-    if args.transport == "grpc":
-        sys.stderr.write("steerspec: note: --verification sprinter runs in-process (--transport inproc)\n")
     loaded = resolve_head(resolve_model_dir(args.drafter), args.sprinter_head, device=args.device)
     verifier, drafter, tokenizer = load_pair(args)
     config = decode_config(args, params, verifier, drafter, tokenizer)
@@ -308,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
                         "seed": args.seed, "verifier": str(args.verifier),
                         "drafter": str(args.drafter) if args.mode == "speculative" else None,
                         "transport": args.transport, "threads": _torch_threads()})
-        if args.transport == "grpc" and not payload.get("lossy"):
+        if args.transport == "grpc" and getattr(result, "transport", None) == "grpc":
             link = link_from_args(args)
             payload.update({"deployment": args.deployment,
                             "link": {"rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms,

@@ -131,9 +131,12 @@ def draft_run(drafter: CachedLM, committed: Sequence[int], limit: int, config: D
 
 
 def verify_run(verifier: CachedLM, pending: int, block: DraftBlock, config: DecodeConfig,
-               generator: Optional[torch.Generator], hidden_layers: Optional[Sequence[int]] = None):
+               generator: Optional[torch.Generator], hidden_layers: Optional[Sequence[int]] = None,
+               kept: Optional[int] = None):
     """One verifier call for a run: feed [pending, x_1..x_j], keep x_1..x_{j−1}, check x_j exactly.
 
+    `kept` (the verifier service passes DraftBlock.kept) keeps the first `kept` tokens instead and
+    checks the rest by speculative sampling; None keeps j − 1.
     Returns (accepted count in the run, next token, the verifier's probs [j+1, V] (None when greedy),
     its logits [j+1, V], and the steering hidden states [L, D] or None).
     """
@@ -143,8 +146,8 @@ def verify_run(verifier: CachedLM, pending: int, block: DraftBlock, config: Deco
     j = int(run.shape[0])
     feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), run])
     out = verifier.extend(feed, hidden_layers)
-    last = max(j - 1, 0)
-    tail_block = DraftBlock(run[last:].view(1, -1), torch.tensor([min(j, 1)], device=device),
+    last = max(j - 1, 0) if kept is None else min(int(kept), j)
+    tail_block = DraftBlock(run[last:].view(1, -1), torch.tensor([j - last], device=device),
                             None if block.q is None else block.q.map(lambda t: t[:, last:].to(device)))
     params = config.sampling
     probs = None

@@ -53,6 +53,8 @@ class SteerSpecMetrics:
                                   buckets=BYTE_BUCKETS, registry=self.registry)
         self.bytes_down = Histogram("steerspec_bytes_down", "Bytes received from the verifier per block", labels,
                                     buckets=BYTE_BUCKETS, registry=self.registry)
+        self.lossy_sessions = Counter("steerspec_lossy_sessions", "Sessions served with lossy verification",
+                                      labels + ("verification",), registry=self.registry)
         self._lock = threading.Lock()
 
     def observe_block(self, stats: BlockStats) -> None:
@@ -75,6 +77,10 @@ class SteerSpecMetrics:
 
     def observe_generation(self, finish_reason: str = "length") -> None:
         self.generations.labels(self.service, finish_reason).inc()
+
+    def observe_lossy_session(self, verification: str = "sprinter") -> None:
+        """steerspec_lossy_sessions_total{verification}: a session started whose output is not exact."""
+        self.lossy_sessions.labels(self.service, verification).inc()
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

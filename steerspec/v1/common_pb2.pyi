@@ -37,7 +37,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent")
+    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent", "kept")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class DraftBlock(_message.Message):
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     committed_length: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -52,7 +53,8 @@ class DraftBlock(_message.Message):
     draft_ms: float
     policy_state: str
     traceparent: str
-    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    kept: int
+    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size")

@@ -1,0 +1,61 @@
+"""`steerspec bench sprinter --services`: exact vs SPRINTER tokens/s measured through the real services.
+
+One LocalCluster (verifier, drafter and a coordinator started with allow_lossy, gRPC on 127.0.0.1)
+per run; the coordinator↔verifier link is emulated by steerspec/linkemu.py at each --services-rtts
+value. For every (prompt, seed) the configurations run back to back (exact with fixed k, then
+SPRINTER at each threshold), so load drifts on a shared machine hit them alike; tokens/s is
+generated tokens over the summed wall time of each configuration's generations, and the speedup
+is its ratio to exact's at the same RTT, measured in the same run (not modelled).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Sequence
+
+
+async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds: int, rtts: Sequence[float],
+                  thresholds: Sequence[float], max_run: int, k: int, max_new_tokens: int, temperature: float,
+                  eos: Sequence[int], sprinter_head=None) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """{f"{rtt:g}": {config: {tokens, verifier_calls, wall_s, tokens_per_s, tokens_per_call, speedup}}}."""
+    from coordinator.local import LocalCluster
+    from steerspec.linkemu import LinkModel
+
+    configs = {"exact": "exact", **{f"sprinter@{t:g}": f"sprinter:threshold={t:g},max_run={max_run}"
+                                    for t in thresholds}}
+    options = {"sprinter_head": str(sprinter_head)} if sprinter_head else {}
+    out: Dict[str, Dict[str, Dict[str, float]]] = {}
+    async with LocalCluster(verifier, drafter, tokenizer=None, eos_ids=tuple(eos), allow_lossy=True,
+                            drafter_options=options) as cluster:
+        for spec in configs.values():  # warm-up: the head loads, the caches allocate
+            await cluster.generate(prompts[0], max_new_tokens=4, k=k, temperature=temperature, verification=spec)
+        for rtt in rtts:
+            cluster.set_link(LinkModel(rtt_ms=rtt).validate())
+            sums = {name: {"tokens": 0, "verifier_calls": 0, "wall_s": 0.0} for name in configs}
+            for i, ids in enumerate(prompts):
+                for s in range(seeds):
+                    for name, spec in configs.items():
+                        start = time.perf_counter()
+                        result = await cluster.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                        seed=1000 * i + s, k=k, verification=spec, timeout=600)
+                        row = sums[name]
+                        row["wall_s"] += time.perf_counter() - start
+                        row["tokens"] += result.generated
+                        row["verifier_calls"] += result.rounds
+            for row in sums.values():
+                row["tokens_per_s"] = row["tokens"] / row["wall_s"] if row["wall_s"] > 0 else 0.0
+                row["tokens_per_call"] = row["tokens"] / max(1, row["verifier_calls"])
+            for row in sums.values():
+                row["speedup"] = row["tokens_per_s"] / sums["exact"]["tokens_per_s"]
+            out[f"{rtt:g}"] = sums
+    return out
+
+
+def table(rows: Dict[str, Dict[str, Dict[str, float]]]) -> List[str]:
+    """Printable lines: one per (RTT, configuration)."""
+    lines = ["rtt_ms | config | tokens | verifier calls | tok/call | tok/s | speedup vs exact"]
+    for rtt, configs in rows.items():
+        for name, r in configs.items():
+            lines.append(f"{rtt} | {name} | {r['tokens']} | {r['verifier_calls']} | {r['tokens_per_call']:.2f} | "
+                         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}")
+    return lines

@@ -1,0 +1,46 @@
+"""SPRINTER (lossy) sessions on the verifier: each block is one run, verified on its own by the
+in-process `sprinter.decoding.verify_run` (the kept tokens fed and accepted, the rest checked by
+min(1, p/q) with the residual resample), so a seeded session draws exactly what `sprinter_generate`
+draws in one process. Exact sessions in the same batch keep the batched path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List
+
+import torch
+
+from steerspec.rounds import DecodeConfig
+from steerspec.speculative import DraftBlock
+from steerspec.sprinter.decoding import verify_run
+from verifier_service import fast_verify
+
+
+@torch.inference_mode()
+def run(runner, job):
+    """One SPRINTER job -> JobResult (batch size 1)."""
+    from verifier_service.batcher import JobResult
+
+    start = time.perf_counter()
+    session, block = job.session, job.block
+    k = block.k
+    q = None if block.q is None or session.greedy else block.q.map(lambda t: t.unsqueeze(0))
+    draft = DraftBlock(tokens=torch.from_numpy(block.draft_ids).view(1, k).long(), lengths=torch.tensor([k]), q=q)
+    layers = fast_verify._layers(runner) if (session.steering and runner.head is not None) else None
+    accepted, next_token, _, _, hidden = verify_run(session.lm, session.pending, draft,
+                                                    DecodeConfig(sampling=session.params), session.generator,
+                                                    layers, kept=block.kept)
+    steering = None if hidden is None else fast_verify._head(runner, hidden.unsqueeze(0))[0]
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return JobResult(accepted=accepted, next_token=next_token, is_bonus=accepted == k, steering=steering,
+                     queue_ms=(start - job.submitted) * 1e3, verify_ms=(time.perf_counter() - start) * 1e3,
+                     batch_size=1)
+
+
+def run_mixed(runner, jobs) -> List:
+    """Results in job order: SPRINTER jobs one by one, the others through `runner.run` together."""
+    exact = [job for job in jobs if not job.session.sprinter]
+    batched = iter(runner.run(exact) if exact else [])
+    return [run(runner, job) if job.session.sprinter else next(batched) for job in jobs]
