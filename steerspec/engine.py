@@ -129,6 +129,77 @@ def verify_block(
     return outcome, hidden
 
 
+@dataclass
+class RoundOut:
+    """What one draft → verify step hands the shared loop: the block, its verdict, the verifier's
+    hidden states for the next block's steering, and the two stage times in seconds."""
+
+    block: DraftBlock
+    accepted: int
+    next_token: int
+    hidden: Optional[Tensor]
+    draft_s: float
+    verify_s: float
+
+
+def run_rounds(
+    verifier: CachedLM,
+    drafter: CachedLM,
+    prompt: List[int],
+    config: DecodeConfig,
+    result: GenerationResult,
+    one_round: Callable[[List[int], int, Optional[Sequence[int]]], RoundOut],
+    steering: Optional[DrafterSteering] = None,
+    after_round: Optional[Callable[[BlockStats], None]] = None,
+    tokenizer=None,
+    on_round: Optional[Callable[[RoundRecord], None]] = None,
+) -> GenerationResult:
+    """The in-process round loop every lossless or lossy decoder shares: prefill, then per block
+    `one_round(committed, room, layers)`, the drafter rollback, commit and accounting of rounds.py."""
+    layers = list(steering.verifier_layers) if steering is not None else None
+    eos = tuple(config.eos_token_ids)
+    t_start = time.perf_counter()
+    hidden = prefill(verifier, prompt, layers)
+    drafter.reset()
+    committed = list(prompt)
+    generated: List[int] = []
+    reason = None
+    while reason is None:
+        n = len(committed)
+        remaining = config.max_new_tokens - len(generated)
+        room = rounds.room(remaining, n, config.max_length)
+        reason = rounds.stop_before_block(remaining, room)
+        if reason is not None:
+            break
+        if steering is not None:
+            steering.begin_block(hidden)
+        out = one_round(committed, room, layers)
+        hidden, accepted = out.hidden, out.accepted
+        drafted = int(out.block.tokens.shape[1])
+        if drafter.length > n + accepted:
+            drafter.rollback(n + accepted)
+        new_tokens, reason = rounds.commit_block(out.block.tokens[0, :accepted].tolist(), accepted, out.next_token,
+                                                 room, remaining, eos)
+        committed.extend(new_tokens)
+        generated.extend(new_tokens)
+        draft_ms, verify_ms = out.draft_s * 1e3, out.verify_s * 1e3
+        stats = BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted, committed=len(new_tokens),
+                           rtt_ms=verify_ms, draft_ms=draft_ms, verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms)
+        rounds.record_block(result, stats)
+        if after_round is not None:
+            after_round(stats)
+        if on_round is not None:
+            on_round(RoundRecord(drafted, accepted, new_tokens, out.draft_s, out.verify_s))
+    if verifier.device.type == "cuda":
+        torch.cuda.synchronize(verifier.device)
+    result.wall_s = time.perf_counter() - t_start
+    result.token_ids = generated
+    result.stop_reason = reason
+    if tokenizer is not None:
+        result.text = tokenizer.decode(generated, skip_special_tokens=True)
+    return result
+
+
 def speculative_generate(
     verifier,
     drafter,
@@ -148,56 +219,22 @@ def speculative_generate(
     policy = policy if policy is not None else FixedK(8)
     policy.reset()
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
-    layers = list(steering.verifier_layers) if steering is not None else None
-    eos = tuple(config.eos_token_ids)
-    limit = config.max_length
-    result = GenerationResult(token_ids=[], mode="speculative", prompt_tokens=len(prompt))
 
-    t_start = time.perf_counter()
-    hidden = prefill(verifier, prompt, layers)
-    drafter.reset()
-    committed = list(prompt)
-    generated: List[int] = []
-    reason = None
-    while reason is None:
-        n = len(committed)
-        remaining = config.max_new_tokens - len(generated)
-        room = rounds.room(remaining, n, limit)
-        reason = rounds.stop_before_block(remaining, room)
-        if reason is not None:
-            break
-        k = rounds.block_k(policy.next_k(), room)
-        if steering is not None:
-            steering.begin_block(hidden)
+    def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         t0 = time.perf_counter()
-        block = draft_block(drafter, committed, k, config, g_draft, policy)
+        block = draft_block(drafter, committed, rounds.block_k(policy.next_k(), room), config, g_draft, policy)
         t1 = time.perf_counter()
         outcome, hidden = verify_block(verifier, committed[-1], block, config, g_verify, layers)
         t2 = time.perf_counter()
-        drafted = int(block.tokens.shape[1])
-        accepted = int(outcome.accepted[0])
-        if drafter.length > n + accepted:
-            drafter.rollback(n + accepted)
-        new_tokens, reason = rounds.commit_block(block.tokens[0, :accepted].tolist(), accepted,
-                                                 int(outcome.next_tokens[0]), room, remaining, eos)
-        committed.extend(new_tokens)
-        generated.extend(new_tokens)
-        draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        rounds.record_block(result, BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted,
-                                               committed=len(new_tokens), rtt_ms=verify_ms, draft_ms=draft_ms,
-                                               verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms))
-        if drafted:
-            policy.update(BlockFeedback(accepted, drafted, draft_ms=draft_ms, verify_ms=verify_ms))
-        if on_round is not None:
-            on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
-    if verifier.device.type == "cuda":
-        torch.cuda.synchronize(verifier.device)
-    result.wall_s = time.perf_counter() - t_start
-    result.token_ids = generated
-    result.stop_reason = reason
-    if tokenizer is not None:
-        result.text = tokenizer.decode(generated, skip_special_tokens=True)
-    return result
+        return RoundOut(block, int(outcome.accepted[0]), int(outcome.next_tokens[0]), hidden, t1 - t0, t2 - t1)
+
+    def after_round(stats: BlockStats) -> None:
+        if stats.drafted:
+            policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
+                                        verify_ms=stats.verify_ms))
+
+    result = GenerationResult(token_ids=[], mode="speculative", prompt_tokens=len(prompt))
+    return run_rounds(verifier, drafter, prompt, config, result, one_round, steering, after_round, tokenizer, on_round)
 
 
 def autoregressive_generate(

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from steerspec import rounds
-from steerspec.engine import DecodeConfig, DrafterSteering, RoundRecord, _check_prompt, prefill
+from steerspec.engine import DecodeConfig, DrafterSteering, RoundOut, RoundRecord, _check_prompt, run_rounds
 from steerspec.rounds import BlockStats, make_generators
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import CachedLM, as_cached
@@ -210,26 +210,10 @@ def sprinter_generate(
     prompt = _check_prompt(prompt_ids, config)
     scorer = SprinterScorer(head, drafter)
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
-    layers = list(steering.verifier_layers) if steering is not None else None
-    eos = tuple(config.eos_token_ids)
-    limit = config.max_length
     result = SprinterResult(token_ids=[], prompt_tokens=len(prompt), threshold=threshold, max_run=max_run, lam=lam)
+    kept_runs: List[List[bool]] = []
 
-    t_start = time.perf_counter()
-    hidden = prefill(verifier, prompt, layers)
-    drafter.reset()
-    committed = list(prompt)
-    generated: List[int] = []
-    reason = None
-    while reason is None:
-        n = len(committed)
-        remaining = config.max_new_tokens - len(generated)
-        room = rounds.room(remaining, n, limit)
-        reason = rounds.stop_before_block(remaining, room)
-        if reason is not None:
-            break
-        if steering is not None:
-            steering.begin_block(hidden)
+    def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         t0 = time.perf_counter()
         block, kept = draft_run(drafter, committed, rounds.block_k(max_run, room), config, g_draft, scorer, threshold)
         t1 = time.perf_counter()
@@ -237,25 +221,11 @@ def sprinter_generate(
                                                                  g_verify, layers)
         t2 = time.perf_counter()
         _label_run(result, block, kept, probs, logits, verifier.vocab_size)
-        drafted = int(block.tokens.shape[1])
-        if drafter.length > n + accepted:
-            drafter.rollback(n + accepted)
-        new_tokens, reason = rounds.commit_block(block.tokens[0, :accepted].tolist(), accepted, next_token, room,
-                                                 remaining, eos)
-        committed.extend(new_tokens)
-        generated.extend(new_tokens)
-        draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        rounds.record_block(result, BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted,
-                                               committed=len(new_tokens), rtt_ms=verify_ms, draft_ms=draft_ms,
-                                               verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms))
-        result.run_lengths.append(sum(kept))
-        if on_round is not None:
-            on_round(RoundRecord(drafted, accepted, new_tokens, t1 - t0, t2 - t1))
-    if verifier.device.type == "cuda":
-        torch.cuda.synchronize(verifier.device)
-    result.wall_s = time.perf_counter() - t_start
-    result.token_ids = generated
-    result.stop_reason = reason
-    if tokenizer is not None:
-        result.text = tokenizer.decode(generated, skip_special_tokens=True)
+        kept_runs.append(kept)
+        return RoundOut(block, accepted, next_token, hidden, t1 - t0, t2 - t1)
+
+    def after_round(stats: BlockStats) -> None:
+        result.run_lengths.append(sum(kept_runs[-1]))
+
+    run_rounds(verifier, drafter, prompt, config, result, one_round, steering, after_round, tokenizer, on_round)
     return result
