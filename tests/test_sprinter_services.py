@@ -144,3 +144,16 @@ def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
     assert main(args[:-2] + ["--transport", "inproc", "--verification", "sprinter:threshold=0.4,max_run=4"]) == 0
     in_process = json.loads(capsys.readouterr().out)
     assert in_process["token_ids"] == services["token_ids"]  # the same seed, the same tokens
+
+
+async def test_bench_services_mode_measures_both_through_the_services(bundled):
+    from steerspec.bench import sprinter_services
+
+    verifier, drafter, _ = bundled
+    rows = await sprinter_services.measure(verifier, drafter, PROMPTS[:1], seeds=1, rtts=[0.0], thresholds=[0.3],
+                                           max_run=8, k=4, max_new_tokens=12, temperature=1.0, eos=())
+    exact, lossy = rows["0"]["exact"], rows["0"]["sprinter@0.3"]
+    assert exact["tokens"] == lossy["tokens"] == 12 and exact["speedup"] == 1.0
+    assert lossy["verifier_calls"] < lossy["tokens"] and lossy["wall_s"] > 0
+    assert lossy["speedup"] == lossy["tokens_per_s"] / exact["tokens_per_s"]
+    assert len(sprinter_services.table(rows)) == 3
