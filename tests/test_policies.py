@@ -111,6 +111,22 @@ def test_bad_specs_are_refused_with_one_line(spec, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("drafter", ["pretrained", "distilled", "sd2"])
+def test_every_bundled_drafter_ships_its_heads(drafter):
+    """The trained policies work out of the box on each bundled drafter: heads of its hidden size,
+    small, with a model card that states held-out accuracy and ROC AUC."""
+    from steerspec.models import load_model, resolve_model_dir
+    from steerspec.policies.heads import HEADS_DIR
+
+    directory = resolve_model_dir(drafter)
+    model = load_model(directory)
+    for kind in ("specdecpp", "pacer"):
+        policy = make_policy(kind, PolicyContext(drafter_dir=str(directory), hidden_size=model.config.hidden_size))
+        assert policy.name == kind
+        assert (directory / HEADS_DIR / f"{kind}.pt").stat().st_size < 2**20
+        assert "ROC AUC" in (directory / HEADS_DIR / f"{kind}_MODEL_CARD.md").read_text()
+
+
 def test_head_for_another_drafter_is_refused(tmp_path):
     path = tmp_path / "pacer.pt"
     save_head(path, "pacer", build_head("pacer", {"hidden_size": 32}), {"hidden_size": 32}, {})
