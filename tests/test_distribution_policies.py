@@ -4,7 +4,7 @@ The policy is never reset between samples, so its state (GammaTune's γ̄, Pacer
 latency policy's estimates) and with it every block's length change from sample to sample and
 block to block. The first generated tokens must still follow the verifier's exact distribution:
 chi-square over the most likely tokens as bins plus one bin for the rest (tests/
-test_distribution_real.py), fixed seeds, p > 0.001. The same machinery rejects a decoder that
+distribution_helpers.py), fixed seeds, p > 0.001. The same machinery rejects a decoder that
 accepts every draft (the drafter's distribution), so the test can fail.
 """
 
@@ -15,15 +15,15 @@ from typing import List, Tuple
 
 import pytest
 import torch
+from distribution_helpers import P_MIN, chi_square_p, pick_prompt, verifier_probs
 
 from steerspec.engine import DecodeConfig, draft_block, make_generators, prefill, verify_block
 from steerspec.models import cached_lm
 from steerspec.policies import BlockFeedback, PolicyContext, make_policy
 from steerspec.policies.heads import build_head, save_head
 from steerspec.sampling import SamplingParams
-from tests.test_distribution_real import P_MIN, chi_square_p, pick_prompt, verifier_probs
 
-N_SAMPLES = 2000
+N_SAMPLES = 1000
 PARAMS = SamplingParams(temperature=1.0)
 CONFIG = DecodeConfig(max_new_tokens=2, sampling=PARAMS, draft_top_k=8)
 
