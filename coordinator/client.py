@@ -74,6 +74,8 @@ class Summary:
     resumes: int
     trace_id: str
     retries: int = 0  # client-side reconnects of this call
+    draft_compute_ms: float = 0.0  # mean per block: the drafter's own compute
+    batch_size: float = 0.0  # mean per block: blocks in the verifier's forward pass
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -86,7 +88,7 @@ class Summary:
                    stage_ms={"draft": s.draft_ms, "network": s.network_ms, "queue": s.queue_ms,
                              "verify": s.verify_ms, "overhead": s.overhead_ms},
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
-                   retries=retries)
+                   retries=retries, draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size)
 
 
 Item = Union[Chunk, Summary]

@@ -94,7 +94,9 @@ class DistributedResult(GenerationResult):
             stage_ms=coordinator_pb2.StageTimes(draft_ms=stages["draft"], network_ms=stages["network"],
                                                 queue_ms=stages["queue"], verify_ms=stages["verify"],
                                                 overhead_ms=stages["overhead"]),
-            wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id)
+            wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id,
+            draft_compute_ms=_mean([x.draft_compute_ms for x in self.blocks]),
+            batch_size=_mean([x.batch_size for x in self.blocks]))
 
 
 def end_block_span(span, stats: BlockStats) -> None:
