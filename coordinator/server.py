@@ -117,6 +117,7 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._heartbeats.clear()
+        await self.ownership.close()
         await self.store.close()
         await self.channels.close()
 

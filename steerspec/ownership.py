@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import AsyncIterator, Dict, Optional
+from typing import AsyncIterator, Dict, Optional, Set, Tuple
 
 import grpc
 
@@ -45,6 +45,8 @@ class Ownership:
         self.lease_ttl_s = float(lease_ttl_s)
         self._owners: Dict[str, str] = {}
         self._live: Dict[str, str] = {}
+        self._held: Dict[str, Tuple[str, Optional[asyncio.Task]]] = {}  # session -> (token, renewer) of our calls
+        self._releasing: Set[asyncio.Future] = set()
 
     @property
     def _redis(self):
@@ -105,8 +107,27 @@ class Ownership:
                                    f"{_describe(identity)}: use your own session_id")
             if self._redis is not None:
                 renewer = asyncio.create_task(self._renew(session_id))
+            self._held[session_id] = (token, renewer)
             yield
         finally:
             if renewer is not None:
                 renewer.cancel()
-            await self._release(session_id, token)
+            self._held.pop(session_id, None)
+            # its own task, shielded: a call cancelled by a stopping server still frees its lease (`close`
+            # waits for it), so a restarted coordinator resumes the session at once, not after lease_ttl_s
+            release = asyncio.ensure_future(self._release(session_id, token))
+            self._releasing.add(release)
+            release.add_done_callback(self._releasing.discard)
+            await asyncio.shield(release)
+
+    async def close(self, wait_s: float = 2.0) -> None:
+        """Free the leases of this process's calls (releases under way, and calls a stopping server
+        dropped without unwinding), so another coordinator can resume them at once, not after `lease_ttl_s`."""
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=wait_s)
+        held, self._held = self._held, {}
+        for session_id, (token, renewer) in held.items():
+            if renewer is not None:
+                renewer.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._release(session_id, token), wait_s)
