@@ -58,6 +58,7 @@ class LocalCluster:
     num_threads: Optional[int] = None  # torch intra-op threads: None = leave as is, 0 = auto (see apply_threads)
     trace_file: Optional[str] = None  # spans of every server here, as JSONL
     redis_url: Optional[str] = None  # registry and checkpoints in Redis (default: `store` or in-process)
+    coordinator_options: dict = field(default_factory=dict)  # more Coordinator arguments (max_sessions_per_identity)
 
     def __post_init__(self) -> None:
         self._servers: List[object] = []
@@ -139,7 +140,8 @@ class LocalCluster:
         self.coordinator = Coordinator(store=self.store, verifiers=self.verifier_targets,
                                        drafters=self.drafter_targets, link=self.link, tokenizer=tokenizer,
                                        eos_ids=eos, metrics=self.metrics, tracer=self.tracer,
-                                       heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts))
+                                       heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts),
+                                       **self.coordinator_options)
         running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0)
         self._servers.append(running)
         self.target = running.target
