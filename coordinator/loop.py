@@ -63,10 +63,13 @@ class ContextFull(Exception):
 
 def _stream_error(kind: str, address: str, error: common_pb2.StreamError) -> Exception:
     """A StreamError reply as an exception: OUT_OF_RANGE ends the generation at the context limit,
-    anything else ends the session with that status code."""
+    RESOURCE_EXHAUSTED (the replica's memory is full) moves the session to another replica, anything
+    else ends the session with that status code."""
     code = status_from_code(error.code)
     if code == grpc.StatusCode.OUT_OF_RANGE:
         return ContextFull(f"{kind} {address}: {error.message}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ReplicaLost(kind, address, f"full: {error.message}", full=True)
     return SessionError(code, f"{kind} {address}: {error.message}")
 
 
@@ -351,7 +354,12 @@ class SessionLoop:
                 continue
             kind = reply.WhichOneof("kind")
             if kind == "error":
-                raise _stream_error("drafter", self.drafter.address, reply.error)
+                error = _stream_error("drafter", self.drafter.address, reply.error)
+                if not isinstance(error, ReplicaLost):
+                    raise error
+                await self._replica_lost(error)  # a full drafter: draft elsewhere from the committed prefix
+                await self._open_drafter()
+                continue
             block = reply.block
             if block.policy_state:
                 self.policy_state = block.policy_state
