@@ -11,9 +11,10 @@ round trip per token over the same link; the verifier's next token of an empty b
 sampled token.
 
 Failover: a replica that fails (UNAVAILABLE, or its stream ends without a status) is dropped from
-the registry (a full one, RESOURCE_EXHAUSTED, stays registered: it is alive), the session is re-placed and both streams are reopened from the committed prefix
-(prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
-replaced by another, or by verifier-only decoding when none is left.
+the registry; a full one (RESOURCE_EXHAUSTED, at the open or in-stream) stays registered, as it is
+alive, and only this session avoids it. The session is re-placed and both streams are reopened from
+the committed prefix (prompt + generated so far), so caches agree and nothing is lost or repeated.
+A lost drafter is replaced by another, or by verifier-only decoding when none is left.
 
 When the store (Redis) fails under a running session, the session goes on without checkpoints
 (placement from the registry's last listing, see coordinator.placement; the store stops writing

@@ -189,7 +189,6 @@ class Coordinator:
         result.text = text.text
         yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
 
-
     async def _finish(self, session_id: str, status: str, reason: str) -> None:
         """Record the session's end; a session that went on without checkpoints is logged and counted."""
         try:
