@@ -642,7 +642,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="steerspec-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_soak(args, kinds, redis_binary, workdir))
-    report["workdir"] = str(workdir)
+    if args.workdir:
+        report["workdir"] = str(workdir)  # the parts' logs
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
