@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None, metavar="SPEC",
                         help="draft-length policy for requests that name none, NAME[:key=value,...] (default: fixed)")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registry TTL of a replica")
+    parser.add_argument("--max-sessions-per-identity", type=int, default=0, metavar="N",
+                        help="generations one identity (token, client certificate, or all unauthenticated callers "
+                             "together) may run at once here; more get RESOURCE_EXHAUSTED (default 0: no limit)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default=None,
                         help="address for /metrics (default: --host; 0.0.0.0 lets a Prometheus container scrape it)")
@@ -122,6 +125,7 @@ async def _main(args) -> int:
                               drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
                               eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
                               max_length=max_length, allow_lossy=args.allow_lossy,
+                              max_sessions_per_identity=args.max_sessions_per_identity,
                               defaults=policy_defaults(args.policy))
     running = await serve(coordinator, host=args.host, port=args.port)
     print(f"steerspec coordinator serving on {running.target}", flush=True)
@@ -138,6 +142,8 @@ def run(args) -> int:
         raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
     if args.heartbeat_ttl_s <= 0:
         raise UsageError("--heartbeat-ttl-s must be > 0")
+    if args.max_sessions_per_identity < 0:
+        raise UsageError(f"--max-sessions-per-identity must be >= 0 (0 = no limit), got {args.max_sessions_per_identity}")
     check_port(args.port)
     security.configure_from_args(args, host=args.host)
     logs.setup(args.log_level, args.log_format)

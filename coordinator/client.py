@@ -76,6 +76,8 @@ class Summary:
     retries: int = 0  # client-side reconnects of this call
     lossy: bool = False  # lossy verification (sprinter): not the verifier's distribution
     verification: str = "exact"
+    draft_compute_ms: float = 0.0  # mean per block: the drafter's own compute
+    batch_size: float = 0.0  # mean per block: blocks in the verifier's forward pass
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -88,7 +90,8 @@ class Summary:
                    stage_ms={"draft": s.draft_ms, "network": s.network_ms, "queue": s.queue_ms,
                              "verify": s.verify_ms, "overhead": s.overhead_ms},
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
-                   retries=retries, lossy=msg.lossy, verification=msg.verification or "exact")
+                   retries=retries, lossy=msg.lossy, verification=msg.verification or "exact",
+                   draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size)
 
 
 Item = Union[Chunk, Summary]

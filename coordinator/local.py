@@ -59,6 +59,7 @@ class LocalCluster:
     trace_file: Optional[str] = None  # spans of every server here, as JSONL
     redis_url: Optional[str] = None  # registry and checkpoints in Redis (default: `store` or in-process)
     allow_lossy: bool = False  # the coordinator serves lossy verification (sprinter) requests
+    coordinator_options: dict = field(default_factory=dict)  # more Coordinator arguments (max_sessions_per_identity)
 
     def __post_init__(self) -> None:
         self._servers: List[object] = []
@@ -141,7 +142,7 @@ class LocalCluster:
                                        drafters=self.drafter_targets, link=self.link, tokenizer=tokenizer,
                                        eos_ids=eos, metrics=self.metrics, tracer=self.tracer,
                                        heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts),
-                                       allow_lossy=self.allow_lossy)
+                                       allow_lossy=self.allow_lossy, **self.coordinator_options)
         running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0)
         self._servers.append(running)
         self.target = running.target

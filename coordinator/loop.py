@@ -11,9 +11,10 @@ round trip per token over the same link; the verifier's next token of an empty b
 sampled token.
 
 Failover: a replica that fails (UNAVAILABLE, or its stream ends without a status) is dropped from
-the registry (a full one, RESOURCE_EXHAUSTED, stays registered: it is alive), the session is re-placed and both streams are reopened from the committed prefix
-(prompt + generated so far), so caches agree and nothing is lost or repeated. A lost drafter is
-replaced by another, or by verifier-only decoding when none is left.
+the registry; a full one (RESOURCE_EXHAUSTED, at the open or in-stream) stays registered, as it is
+alive, and only this session avoids it. The session is re-placed and both streams are reopened from
+the committed prefix (prompt + generated so far), so caches agree and nothing is lost or repeated.
+A lost drafter is replaced by another, or by verifier-only decoding when none is left.
 
 When the store (Redis) fails under a running session, the session goes on without checkpoints
 (placement from the registry's last listing, see coordinator.placement; the store stops writing
@@ -63,10 +64,13 @@ class ContextFull(Exception):
 
 def _stream_error(kind: str, address: str, error: common_pb2.StreamError) -> Exception:
     """A StreamError reply as an exception: OUT_OF_RANGE ends the generation at the context limit,
-    anything else ends the session with that status code."""
+    RESOURCE_EXHAUSTED (the replica's memory is full) moves the session to another replica, anything
+    else ends the session with that status code."""
     code = status_from_code(error.code)
     if code == grpc.StatusCode.OUT_OF_RANGE:
         return ContextFull(f"{kind} {address}: {error.message}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ReplicaLost(kind, address, f"full: {error.message}", full=True)
     return SessionError(code, f"{kind} {address}: {error.message}")
 
 
@@ -399,7 +403,12 @@ class SessionLoop:
                 continue
             kind = reply.WhichOneof("kind")
             if kind == "error":
-                raise _stream_error("drafter", self.drafter.address, reply.error)
+                error = _stream_error("drafter", self.drafter.address, reply.error)
+                if not isinstance(error, ReplicaLost):
+                    raise error
+                await self._replica_lost(error)  # a full drafter: draft elsewhere from the committed prefix
+                await self._open_drafter()
+                continue
             block = reply.block
             if block.policy_state:
                 self.policy_state = block.policy_state

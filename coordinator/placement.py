@@ -36,7 +36,8 @@ class Placer:
         self.store = store
         self.pinned = {kind: frozenset(addresses) for kind, addresses in (pinned or {}).items() if addresses}
         self.in_use: Counter = Counter()  # (kind, address) -> sessions placed by this coordinator
-        self._turn = itertools.count()
+        self._turns: Dict[str, itertools.count] = {}  # per kind: a shared count made one kind's ties always
+        # land on the same replica when sessions alternate kinds (verifier, drafter, verifier, ...)
         self._known: Dict[str, List[Endpoint]] = {}  # kind -> what the registry listed last
 
     async def live(self, kind: str) -> List[Endpoint]:
@@ -68,7 +69,8 @@ class Placer:
 
         least = min(load(e) for e in live)
         tied = [e.address for e in live if load(e) == least]
-        return tied[next(self._turn) % len(tied)]
+        turn = self._turns.setdefault(kind, itertools.count())
+        return tied[next(turn) % len(tied)]
 
     async def require(self, kind: str, exclude: Iterable[str] = ()) -> str:
         address = await self.choose(kind, exclude)

@@ -112,7 +112,9 @@ class DistributedResult(GenerationResult):
                                                 queue_ms=stages["queue"], verify_ms=stages["verify"],
                                                 overhead_ms=stages["overhead"]),
             wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id,
-            lossy=self.lossy, verification=self.verification)
+            lossy=self.lossy, verification=self.verification,
+            draft_compute_ms=_mean([x.draft_compute_ms for x in self.blocks]),
+            batch_size=_mean([x.batch_size for x in self.blocks]))
 
 
 def end_block_span(span, stats: BlockStats) -> None:

@@ -26,6 +26,7 @@ from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer
+from coordinator.quotas import SessionQuota
 from steerspec import security
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.ownership import ClaimError, Ownership
@@ -76,7 +77,8 @@ class Coordinator:
     def __init__(self, store: Optional[Store] = None, verifiers: Iterable[str] = (), drafters: Iterable[str] = (),
                  link: LinkModel = NO_LINK, tokenizer=None, eos_ids: Sequence[int] = (), metrics=None,
                  tracer=None, heartbeat_ttl_s: float = 5.0, defaults: Optional[Dict[str, object]] = None,
-                 max_length: Optional[int] = None, allow_lossy: bool = False) -> None:
+                 max_length: Optional[int] = None, allow_lossy: bool = False,
+                 max_sessions_per_identity: int = 0) -> None:
         self.allow_lossy = bool(allow_lossy)  # serve lossy verification modes (SPRINTER) only when asked
         self.store = store if store is not None else InProcessStore()
         drafters = list(drafters)
@@ -84,6 +86,7 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.admission = Admission(tokenizer, max_length)
         self.ownership = Ownership(self.store)
+        self.quota = SessionQuota(max_sessions_per_identity)
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
@@ -117,6 +120,7 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._heartbeats.clear()
+        await self.ownership.close()
         await self.store.close()
         await self.channels.close()
 
@@ -187,7 +191,6 @@ class Coordinator:
         result.text = text.text
         yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
 
-
     async def _finish(self, session_id: str, status: str, reason: str) -> None:
         """Record the session's end; a session that went on without checkpoints is logged and counted."""
         try:
@@ -256,16 +259,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
             if span_context.is_valid:
                 trace_id = f"{span_context.trace_id:032x}"
-            claim = (self.coordinator.ownership.claim(session.session_id, security.identity_of(context),
-                                                      on_call_done=context.add_done_callback)
+            identity = security.identity_of(context)
+            claim = (self.coordinator.ownership.claim(session.session_id, identity)
                      if session.session_id else contextlib.nullcontext())
             try:
-                async with claim, contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
-                    async for response in responses:
-                        if response.HasField("summary"):
-                            response.summary.trace_id = trace_id
-                            _count_resumes(response.summary.resumes)
-                        yield response
+                with self.coordinator.quota.hold(identity):
+                    async with claim, contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
+                        async for response in responses:
+                            if response.HasField("summary"):
+                                response.summary.trace_id = trace_id
+                                _count_resumes(response.summary.resumes)
+                            yield response
             except (SessionError, ClaimError) as exc:
                 await context.abort(exc.code, exc.message)
             except RedisError as exc:

@@ -36,7 +36,8 @@ class SummaryResult(DistributedResult):
     def to_json(self):
         out = super().to_json()
         out.pop("stage_ms_median", None)
-        out["batch_size"] = None
+        out["draft_compute_ms"] = round(float(self.wire_summary.draft_compute_ms), 3)
+        out["batch_size"] = round(float(self.wire_summary.batch_size), 3)
         out["coordinator_wall_s"] = round(float(self.wire_summary.wall_s), 6)
         return out
 

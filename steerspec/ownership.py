@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import uuid
-from typing import AsyncIterator, Callable, Dict, Optional
+from typing import AsyncIterator, Dict, Optional, Set, Tuple
 
 import grpc
 
@@ -46,6 +45,8 @@ class Ownership:
         self.lease_ttl_s = float(lease_ttl_s)
         self._owners: Dict[str, str] = {}
         self._live: Dict[str, str] = {}
+        self._held: Dict[str, Tuple[str, Optional[asyncio.Task]]] = {}  # session -> (token, renewer) of our calls
+        self._releasing: Set[asyncio.Future] = set()
 
     @property
     def _redis(self):
@@ -89,19 +90,9 @@ class Ownership:
             if await redis.get(key) == token:
                 await redis.delete(key)
 
-    def _call_done(self, session_id: str, token: str, renewer: Optional[asyncio.Task], *_) -> None:
-        """The call ended: stop renewing and free the lease (idempotent with claim's own release)."""
-        if renewer is not None:
-            renewer.cancel()
-        with contextlib.suppress(RuntimeError):  # no running loop: the lease lapses on its own
-            asyncio.get_running_loop().create_task(self._release(session_id, token))
-
     @contextlib.asynccontextmanager
-    async def claim(self, session_id: str, identity: str,
-                    on_call_done: Optional[Callable[[Callable[..., None]], None]] = None) -> AsyncIterator[None]:
-        """Hold `session_id` for one call by `identity` (see module docstring). `on_call_done` (e.g. a
-        gRPC context's add_done_callback) frees the lease when the call ends even if the handler, an
-        async generator parked at a `yield`, is never closed (a server stopped with grace 0)."""
+    async def claim(self, session_id: str, identity: str) -> AsyncIterator[None]:
+        """Hold `session_id` for one call by `identity` (see module docstring)."""
         token = uuid.uuid4().hex
         if not await self._acquire(session_id, token):
             raise ClaimError(grpc.StatusCode.ABORTED,
@@ -116,12 +107,27 @@ class Ownership:
                                    f"{_describe(identity)}: use your own session_id")
             if self._redis is not None:
                 renewer = asyncio.create_task(self._renew(session_id))
-            if on_call_done is not None:
-                on_call_done(functools.partial(self._call_done, session_id, token, renewer))
+            self._held[session_id] = (token, renewer)
             yield
         finally:
             if renewer is not None:
                 renewer.cancel()
-            # shielded: a server stopping with grace=0 cancels the handler again while it releases,
-            # which would leave the lease to lapse (lease_ttl_s) and ABORT the client's resume meanwhile
-            await asyncio.shield(self._release(session_id, token))
+            self._held.pop(session_id, None)
+            # its own task, shielded: a call cancelled by a stopping server still frees its lease (`close`
+            # waits for it), so a restarted coordinator resumes the session at once, not after lease_ttl_s
+            release = asyncio.ensure_future(self._release(session_id, token))
+            self._releasing.add(release)
+            release.add_done_callback(self._releasing.discard)
+            await asyncio.shield(release)
+
+    async def close(self, wait_s: float = 2.0) -> None:
+        """Free the leases of this process's calls (releases under way, and calls a stopping server
+        dropped without unwinding), so another coordinator can resume them at once, not after `lease_ttl_s`."""
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=wait_s)
+        held, self._held = self._held, {}
+        for session_id, (token, renewer) in held.items():
+            if renewer is not None:
+                renewer.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._release(session_id, token), wait_s)

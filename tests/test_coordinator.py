@@ -277,6 +277,8 @@ def test_steerspec_run_local_deployment_streams_the_engine_tokens(tiny_pair, cap
     assert remote["token_ids"] == local["token_ids"] and remote["rounds"] == local["rounds"]
     assert remote["rtt_ms"] > 0 and remote["bytes_up"] > 0 and remote["bytes_down"] > 0
     assert set(remote["stage_ms"]) == {"draft", "network", "queue", "verify", "overhead"}
+    # the drafter's own compute and the verifier's batch size come through the summary (were 0.0 / null)
+    assert remote["draft_compute_ms"] > 0 and remote["batch_size"] >= 1
     auto = _run_json(capsys, [*argv, "--mode", "autoregressive"])
     assert auto["token_ids"] == local["token_ids"] and auto["rounds"] == 12
 

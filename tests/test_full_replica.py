@@ -67,3 +67,29 @@ async def test_full_replica_stays_registered(tiny_pair):
             assert stats.stats.active_sessions == 0
         later = await cluster.generate(PROMPT, max_new_tokens=10, k=4)  # placed on it now that it has room
     assert later.token_ids == want
+
+
+async def test_replica_full_mid_session_fails_over(tiny_pair):
+    """A replica whose KV-cache budget runs out in the middle of a session (an in-stream
+    RESOURCE_EXHAUSTED) hands the session to another replica from its committed prefix: the output
+    is the uninterrupted greedy one.
+
+    Reproduction (before): the session ended with RESOURCE_EXHAUSTED "KV-cache memory limit reached"
+    although the other replica had room (only a full replica at the open failed over)."""
+    from coord_helpers import load_cached
+    from steerspec.models.loading import kv_bytes_per_token
+
+    n = 40
+    want = greedy_reference(tiny_pair[0], PROMPT, n)
+    budget_mb = 120 * kv_bytes_per_token(load_cached(tiny_pair[0])) / 2 ** 20  # 120 tokens per replica
+    async with LocalCluster(str(tiny_pair[0]), str(tiny_pair[1]), eos_ids=(), verifiers=2,
+                            verifier_options={"max_cache_mb": budget_mb}) as cluster:
+        async with grpc.aio.insecure_channel(cluster.verifier_targets[0]) as channel:
+            # 90 prompt tokens + max_k 8 reserved: about 22 tokens left there, a session needs ~50
+            squatter, opened = await open_verifier(verifier_pb2_grpc.VerifierServiceStub(channel),
+                                                   [3 + i % 50 for i in range(90)], session_id="squatter")
+            assert opened.WhichOneof("kind") == "ready", opened
+            results = [await cluster.generate(PROMPT, max_new_tokens=n, k=4) for _ in range(2)]  # one starts there
+            squatter.cancel()
+    assert all(r.token_ids == want for r in results)
+    assert sum(r.resumes for r in results) >= 1

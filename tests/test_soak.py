@@ -35,3 +35,10 @@ def test_short_soak_loses_nothing(tmp_path):
     assert any(f["kind"] in ("verifier", "drafter", "redis", "coordinator") for f in report["faults"])
     assert report["faults_survived"] == report["faults_injected"], report["faults"]
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags", [["--faults", "bogus"], ["--clients", "0"], ["--duration", "-1"]])
+def test_bad_flags_exit_2(flags):
+    from steerspec.cli import main
+
+    assert main(["bench", "soak", *flags]) == 2

@@ -120,6 +120,22 @@ async def test_placement_takes_the_least_loaded_replica_without_counting_twice(s
     assert await placer.choose("verifier", exclude=["a:1", "b:1"]) == "c:1"
 
 
+async def test_ties_rotate_per_kind(store):
+    """Sequential sessions alternate verifier replicas even though each also places a drafter (a round-robin
+    count shared by both kinds sent every session to the same verifier)."""
+    from coordinator.placement import Placer
+
+    await store.register("verifier", "v:1", 30.0)
+    await store.register("verifier", "v:2", 30.0)
+    await store.register("drafter", "d:1", 30.0)
+    placer = Placer(store)
+    verifiers = []
+    for _ in range(4):
+        verifiers.append(await placer.choose("verifier"))
+        assert await placer.choose("drafter") == "d:1"
+    assert sorted(verifiers) == ["v:1", "v:1", "v:2", "v:2"]
+
+
 async def test_pinned_drafters_keep_a_coordinator_on_its_own_edge_while_one_is_live(store):
     from coordinator.placement import Placer
 

@@ -88,6 +88,16 @@ def _service_env() -> Dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child (Linux): SIGKILL it when the soak process dies, so no part outlives a killed soak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _redis_ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
@@ -121,7 +131,8 @@ class Part:
         self.starts += 1
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=_service_env(),
-                                         cwd=str(self.workdir), start_new_session=True)
+                                         cwd=str(self.workdir), start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     def _ready(self) -> bool:
         if self.kind == "redis":
@@ -631,7 +642,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="steerspec-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_soak(args, kinds, redis_binary, workdir))
-    report["workdir"] = str(workdir)
+    if args.workdir:
+        report["workdir"] = str(workdir)  # the parts' logs
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
