@@ -36,7 +36,7 @@ for step in "${STEPS[@]}"; do
     drafter)   $PY -m steerspec train base --role drafter --out $RUNS/pretrained --tokenizer $RUNS/tokenizer \
                  --steps "$DRAFTER_STEPS" --batch-size 16 --seq-len 256 --lr 3e-3 --seed 1234 --threads "$THREADS" --resume ;;
     smollm2)   $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
-                 --steps "${SMOLLM2_STEPS:-520}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
+                 --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
                mkdir -p $ASSETS/models/smollm2-pretrained
                cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,README.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
