@@ -5,7 +5,10 @@ Per drafted length k the line keeps an exponentially weighted mean of the measur
 The fit is weighted least squares over those means, so a length measured long ago still pins the
 slope (with a small weight) after the policy settled on one length. With fewer than two lengths
 measured the line is not identified: the slope is `prior_share` of the mean cost per token. The
-slope is clamped to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0.
+slope is clamped to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0. Once the line
+is identified an observation counts clipped to within ±`HUBER` of the line's value, so one stall
+on a loaded machine (tens of ms in a block of any length) moves the line by a bounded step
+instead of tilting the slope; a lasting change still moves it, by up to that step per block.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 MIN_WEIGHT = 1e-12  # a length once measured keeps at least this weight
+HUBER = 0.5
 
 
 class CostLine:
@@ -34,6 +38,9 @@ class CostLine:
         """One block of k tokens took `ms`."""
         if not 1 <= k <= self.max_k or not ms > 0:
             return
+        if len(self.lengths()) >= 2:
+            expected = self(k)
+            ms = min(max(ms, (1.0 - HUBER) * expected), (1.0 + HUBER) * expected)
         keep = 1.0 - self.beta
         self.weight = [max(w * keep, MIN_WEIGHT) if w > 0 else 0.0 for w in self.weight]
         i = k - 1

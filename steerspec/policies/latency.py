@@ -6,7 +6,8 @@ the positions the verifier judged, prior a0). Expected time T(k) = d0 + d1·k + 
 draft and verify lines are fitted to the measured draft_ms and verify_ms of past blocks against
 their drafted length (`CostLine`: weighted least squares over per-length EWMAs), so d0 holds the
 drafter call's per-block cost (RPC, the first step's prefill) and d1 one drafter step; o is the
-EWMA of queue + network ms per block. Before each block k = argmax E(k)/T(k) over 1..max, with R
+EWMA of queue + network + overhead ms per block (everything else a block waits for, whatever its
+length). Before each block k = argmax E(k)/T(k) over 1..max, with R
 that best rate.
 
 Inside the block, after draft i with top drafter probability c, the survival becomes
@@ -151,7 +152,7 @@ class LatencyAware(PolicyBase):
         self._bins = {}
         self.draft.add(drafted, feedback.draft_ms)
         self.verify.add(drafted, feedback.verify_ms)
-        overhead = feedback.queue_ms + feedback.network_ms
+        overhead = feedback.queue_ms + feedback.network_ms + feedback.overhead_ms
         self.overhead_ms = (1 - b) * self.overhead_ms + b * overhead if self.seen else overhead
         self.seen += 1
 
