@@ -2,13 +2,14 @@
 
 Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j} a_i,
 with a_i the probability that draft i is accepted given drafts 1..i-1 were (EWMA per position over
-the positions the verifier judged, prior a0). Expected time T(k) = d0 + d1·k + v0 + v1·k + o: the
-draft and verify lines are fitted to the measured draft_ms and verify_ms of past blocks against
-their drafted length (`CostLine`: weighted least squares over per-length EWMAs), so d0 holds the
-drafter call's per-block cost (RPC, the first step's prefill) and d1 one drafter step; o is the
-EWMA of queue + network + overhead ms per block (everything else a block waits for, whatever its
-length). Before each block k = argmax E(k)/T(k) over 1..max, with R
-that best rate.
+the positions the verifier judged, prior a0, clipped to [0.01, 0.99]). Expected time
+T(k) = d0 + d1·k + v0 + v1·k + o: the draft and verify lines are fitted to the measured draft_ms
+and verify_ms of past blocks against their drafted length (`CostLine`: weighted least squares over
+per-length EWMAs), so d0 holds the drafter call's per-block cost (RPC, the first step's prefill)
+and d1 one drafter step; o is the EWMA of queue + network + overhead ms per block (everything else
+a block waits for, whatever its length). Priors: d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a line
+measured at one length only puts half (draft) or 5% (verify) of its cost per token. Before each
+block k = argmax E(k)/T(k) over 1..max, with R that best rate.
 
 Inside the block, after draft i with top drafter probability c, the survival becomes
 s_i = s_{i-1}·clip(a_i·f(c)), f(c) the observed ÷ predicted acceptance of judged drafts in c's
@@ -18,8 +19,9 @@ the block stops when s_i·a_{i+1} / (d1 + v1) < R (a draft earning less than the
 lowers it). o is no part of a draft's marginal cost: a large o keeps drafting.
 
 Exploration: the first block drafts min(4, max); until blocks of two lengths were measured (the
-lines are not identified) k avoids the measured length (best, else that length ± 2) and the stop
-is off. The estimates survive `reset` (a new sequence on the same pair and link).
+lines are not identified), for at most the first 4 blocks, k avoids the measured length (best,
+else that length ± 2) and the stop is off. The estimates survive `reset` (a new sequence on the
+same pair and link).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from steerspec.policies.costline import CostLine
 from steerspec.policies.registry import Key, register
 
 FIRST_K = 4
+EXPLORE_BLOCKS = 4
 BINS = 4  # confidence quarters for f(c)
 CLIP = (0.01, 0.99)
 
@@ -115,7 +118,7 @@ class LatencyAware(PolicyBase):
     def next_k(self) -> int:
         best = self.best()
         measured = self.draft.lengths()
-        exploring = len(measured) < 2
+        exploring = len(measured) < 2 and self.seen < EXPLORE_BLOCKS
         k = best
         if not measured:
             k = min(FIRST_K, self.max_k)
