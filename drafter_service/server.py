@@ -243,9 +243,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         except ProtocolError as exc:
             return _error(exc.code, exc.message, msg.result.seq)
         result = msg.result
+        away_ms = (time.perf_counter() - session.proposal.sent_at) * 1e3
+        verify_ms, queue_ms, network_ms = float(result.verify_ms), float(result.queue_ms), float(msg.network_ms)
         timing = BlockFeedback(int(result.accepted), len(session.proposal.draft_ids), draft_ms=float(msg.draft_ms),
-                               verify_ms=float(result.verify_ms), queue_ms=float(result.queue_ms),
-                               network_ms=float(msg.network_ms))
+                               verify_ms=verify_ms, queue_ms=queue_ms, network_ms=network_ms,
+                               overhead_ms=max(0.0, away_ms - verify_ms - queue_ms - network_ms))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing)
         if not msg.want_block:
             return None

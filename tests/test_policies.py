@@ -89,6 +89,77 @@ def test_latency_policy_drafts_longer_when_rtt_grows():
     assert ks[100.0] >= 2 * ks[0.0], ks
 
 
+def _drive(policy, blocks, accept, draft, verify, overhead, seed=0, noise=0.0, cut=False):
+    """`blocks` blocks of synthetic feedback: each draft accepted with probability `accept` given the
+    earlier ones; draft_ms = draft(k), verify_ms = verify(k), `overhead` ms of network, each time
+    times a uniform factor in 1 ± noise; `cut`: a block ends at a random length (as stops do)."""
+    rng = torch.Generator().manual_seed(seed)
+    ks = []
+    for _ in range(blocks):
+        k = policy.next_k()
+        ks.append(k)
+        if cut:
+            k = int(torch.randint(1, k + 1, (1,), generator=rng))
+        hits = (torch.rand(k, generator=rng) < accept).tolist() + [False]
+        jitter = (1 + noise * (2 * torch.rand(2, generator=rng) - 1)).tolist()
+        policy.update(BlockFeedback(accepted=hits.index(False), drafted=k, draft_ms=draft(k) * jitter[0],
+                                    verify_ms=verify(k) * jitter[1], network_ms=overhead))
+    return ks
+
+
+def test_latency_policy_estimates_converge_on_synthetic_feedback():
+    """d0 + d1·k and v0 + v1·k are regressed on blocks of different lengths; o is queue + network."""
+    policy = make_policy("latency:max=32")
+    ks = _drive(policy, 300, 0.8, lambda k: 6.0 + 1.5 * k, lambda k: 4.0 + 0.5 * k, 20.0,
+                noise=0.05, cut=True)
+    costs = policy.costs
+    for key, want in (("d0", 6.0), ("d1", 1.5), ("v0", 4.0), ("v1", 0.5), ("o", 20.0)):
+        assert costs[key] == pytest.approx(want, rel=0.15), (key, costs)
+    exact = make_policy("latency:max=32")  # noiseless: the lines are exact once two lengths were seen
+    ks = _drive(exact, 3, 0.8, lambda k: 6.0 + 1.5 * k, lambda k: 4.0 + 0.5 * k, 0.0)
+    assert ks[0] != ks[1]  # the first blocks explore lengths
+    assert [exact.costs[key] for key in ("d0", "d1", "v0", "v1")] == pytest.approx([6.0, 1.5, 4.0, 0.5])
+
+
+def test_latency_policy_remote_regime_drafts_long_and_low_confidence_does_not_stop():
+    """o = 50 ms and a drafter at 2 ms/token: long blocks, and drafts at confidence 0.3 go on
+    (one more draft costs d1 + v1, not the link); o = 0 and a slow drafter: short blocks."""
+    remote = make_policy("latency:max=32")
+    _drive(remote, 100, 0.8, lambda k: 3.0 + 2.0 * k, lambda k: 5.0 + 0.3 * k, 50.0)
+    assert remote.next_k() >= 6, remote.costs
+    local = make_policy("latency:max=32")
+    _drive(local, 100, 0.8, lambda k: 1.0 + 5.0 * k, lambda k: 3.0 + 0.2 * k, 0.0)
+    assert local.next_k() <= 2, local.costs
+
+    stop = make_policy("latency:max=32")
+    _drive(stop, 100, 0.6, lambda k: 3.0 + 2.0 * k, lambda k: 5.0 + 0.3 * k, 50.0)
+    k = stop.next_k()
+    assert k >= 3 and [stop.observe(DraftStep(i, 1, _probs(0.3))) for i in range(2)] == [False, False]
+
+
+def test_latency_policy_stops_when_low_confidence_has_predicted_rejections():
+    """The stop uses c as far as it predicted acceptance: once drafts at c ≈ 0.3 were rejected and
+    drafts at c ≈ 0.9 accepted (at any position), a block stops after a low-confidence draft."""
+    policy = make_policy("latency:max=32")
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        k = policy.next_k()
+        low = (torch.rand(k, generator=rng) < 0.3).tolist()
+        drafted = k
+        for i in range(k - 1):
+            if policy.observe(DraftStep(i, 1, _probs(0.3 if low[i] else 0.9))):
+                drafted = i + 1
+                break
+        accepted = (low[:drafted] + [True]).index(True)  # the first low-confidence draft is rejected
+        policy.update(BlockFeedback(accepted, drafted, draft_ms=0.5 + 1.0 * drafted, verify_ms=5.0 + 0.3 * drafted,
+                                    network_ms=10.0))
+    assert policy.calibration(0.3) < 0.5 < 1.0 < policy.calibration(0.9)
+    k = policy.next_k()
+    assert k >= 2
+    assert policy.observe(DraftStep(0, 1, _probs(0.9))) is False
+    assert policy.observe(DraftStep(1, 1, _probs(0.3))) is True
+
+
 @pytest.mark.parametrize("spec", ["heuristic:k=3", "gammatune:k=6", "gammatune+:k=6", "adaedl", "latency"])
 def test_state_dict_round_trip(spec):
     a = make_policy(spec)

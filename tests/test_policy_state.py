@@ -1,9 +1,8 @@
 """The policy contract through the services: policy state survives a drafter failover, and every
-block's feedback carries the measured draft, verify, queue and network times."""
+block's feedback carries the measured draft, verify, queue, network and overhead times."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Dict, List
 
 from coordinator.client import Chunk
@@ -68,6 +67,7 @@ async def test_policy_state_survives_a_drafter_failover(tiny_pair):
     assert all(f.verify_ms > 0 and f.draft_ms > 0 for f in FEEDBACK)
     assert all(f.network_ms >= 3.0 for f in FEEDBACK)  # the emulated 4 ms round trip
     assert all(f.queue_ms >= 0 for f in FEEDBACK)
+    assert any(f.overhead_ms > 0 for f in FEEDBACK)  # the verifier hop's RPC time, seen by the drafter
 
 
 async def test_unknown_policy_is_invalid_argument_on_the_wire(tiny_pair):

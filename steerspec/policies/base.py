@@ -36,7 +36,10 @@ class DraftStep:
 
 @dataclass(frozen=True)
 class BlockFeedback:
-    """The verifier's verdict on one block and its measured cost (milliseconds; 0 when unknown)."""
+    """The verifier's verdict on one block and its measured cost (milliseconds; 0 when unknown).
+
+    `overhead_ms` is the rest of the block's time away from the drafter that verify, queue and
+    network do not explain (the verifier hop's RPC, the coordinator's work); services only."""
 
     accepted: int
     drafted: int
@@ -44,6 +47,7 @@ class BlockFeedback:
     verify_ms: float = 0.0
     queue_ms: float = 0.0
     network_ms: float = 0.0
+    overhead_ms: float = 0.0
 
 
 @runtime_checkable

@@ -1,15 +1,27 @@
 """SteerSpec's latency-aware policy for the remote regime: k maximising committed tokens per second.
 
-Model of one block of k drafts: expected committed tokens E(k) = 1 + Σ_{j=1..k} Π_{i≤j} a_i, with
-a_i the estimated probability that draft i is accepted given drafts 1..i-1 were (EWMA per
-position from feedback, prior a0); cost T(k) = k·d + v0 + v1·k + o, with d the drafter's time
-per token, v0 + v1·k the verify time (EWMA of verify_ms per block and per drafted token), and o
-the queue + network time per block (EWMA). Before each block k = argmax E(k)/T(k) over 1..max.
-Inside the block, after draft i with top drafter probability c, drafting on pays only when the
-expected gain per millisecond of one more draft, s·min(a_{i+1}, c)/d (s the survival so far),
-is at least the block's best rate E/T; otherwise the block stops. With o = 0 and a fast
-verifier this picks a short k; a large o makes long blocks profitable. The estimates survive
-`reset` (a new sequence on the same pair and link); the first block of a fresh policy drafts ≤ 4.
+Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j} a_i,
+with a_i the probability that draft i is accepted given drafts 1..i-1 were (EWMA per position over
+the positions the verifier judged, prior a0, clipped to [0.01, 0.99]). Expected time
+T(k) = d0 + d1·k + v0 + v1·k + o: the draft and verify lines are fitted to the measured draft_ms
+and verify_ms of past blocks against their drafted length (`CostLine`: weighted least squares over
+per-length EWMAs), so d0 holds the drafter call's per-block cost (RPC, the first step's prefill)
+and d1 one drafter step; o is the EWMA of queue + network + overhead ms per block (everything else
+a block waits for, whatever its length). Priors: d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a line
+measured at one length only puts half (draft) or 5% (verify) of its cost per token. Before each
+block k = argmax E(k)/T(k) over 1..max, with R that best rate.
+
+Inside the block, after draft i with top drafter probability c, the survival becomes
+s_i = s_{i-1}·clip(a_i·f(c)), f(c) the observed ÷ predicted acceptance of judged drafts in c's
+quarter of [0, 1] (EWMA; 1 until such drafts were judged), so c counts only as far as it has
+predicted acceptance. One more draft adds s_i·a_{i+1} expected committed tokens for d1 + v1 ms;
+the block stops when s_i·a_{i+1} / (d1 + v1) < R (a draft earning less than the long-run rate
+lowers it). o is no part of a draft's marginal cost: a large o keeps drafting.
+
+Exploration: the first block drafts min(4, max); until blocks of two lengths were measured (the
+lines are not identified), for at most the first 4 blocks, k avoids the measured length (best,
+else that length ± 2) and the stop is off. The estimates survive `reset` (a new sequence on the
+same pair and link).
 """
 
 from __future__ import annotations
@@ -17,13 +29,23 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.costline import CostLine
 from steerspec.policies.registry import Key, register
+
+FIRST_K = 4
+EXPLORE_BLOCKS = 4
+BINS = 4  # confidence quarters for f(c)
+CLIP = (0.01, 0.99)
+
+
+def _clip(a: float) -> float:
+    return min(CLIP[1], max(CLIP[0], a))
 
 
 @register("latency", {"max": Key(int, 32, "most tokens per block"),
                       "a0": Key(float, 0.7, "prior per-position acceptance"),
                       "beta": Key(float, 0.2, "EWMA weight of new observations"),
-                      "stop": Key(bool, True, "stop early on low drafter confidence")},
+                      "stop": Key(bool, True, "stop early when one more draft no longer pays")},
           doc="latency-aware: argmax expected tokens per second from measured costs", length_keys=("max",))
 class LatencyAware(PolicyBase):
     """Chooses k from per-position acceptance estimates and the measured block costs."""
@@ -37,26 +59,27 @@ class LatencyAware(PolicyBase):
         self.a0 = check_open_unit(a0, "a0")
         self.beta = check_open_unit(beta, "beta")
         self.stops_early = bool(stop)
-        self.reset()
+        self.forget()
 
     def reset(self) -> None:
         """A new sequence: the learned costs and acceptance describe the pair and the link, not the
-        sequence, so they are kept once something was learned (`forget` clears them)."""
-        if getattr(self, "seen", 0):
-            self._survival, self._rate = 1.0, 0.0
-            return
-        self.forget()
+        sequence, so they are kept (`forget` clears them)."""
+        self._block()
 
     def forget(self) -> None:
         """Back to the priors."""
         self.accept: List[float] = [self.a0] * self.max_k
-        self.draft_ms = 1.0
-        self.verify0_ms = 1.0
-        self.verify1_ms = 0.0
+        self.draft = CostLine(self.max_k, self.beta, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
+        self.verify = CostLine(self.max_k, self.beta, prior=(1.0, 0.0), prior_share=0.05)
         self.overhead_ms = 0.0
+        self.hits = [self.a0] * BINS       # EWMA of judged drafts' acceptance, per confidence bin
+        self.predicted = [self.a0] * BINS  # EWMA of a_i predicted for the same drafts
         self.seen = 0
-        self._survival = 1.0
-        self._rate = 0.0
+        self._block()
+
+    def _block(self, rate: float = 0.0, exploring: bool = True) -> None:
+        self._survival, self._rate, self._exploring = 1.0, rate, exploring
+        self._bins: Dict[int, int] = {}  # position -> confidence bin of the drafts observed in this block
 
     # --- model ---
     def expected_tokens(self, k: int) -> float:
@@ -67,51 +90,96 @@ class LatencyAware(PolicyBase):
         return total
 
     def block_ms(self, k: int) -> float:
-        return k * self.draft_ms + self.verify0_ms + self.verify1_ms * k + self.overhead_ms
+        return self.draft(k) + self.verify(k) + self.overhead_ms
 
     def rate(self, k: int) -> float:
         return self.expected_tokens(k) / max(self.block_ms(k), 1e-6)
 
+    def best(self) -> int:
+        """argmax_k E(k)/T(k) over 1..max."""
+        best_k, best_rate, total, survival = 1, -1.0, 1.0, 1.0
+        for k in range(1, self.max_k + 1):
+            survival *= self.accept[k - 1]
+            total += survival
+            rate = total / max(self.block_ms(k), 1e-6)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def calibration(self, confidence: float) -> float:
+        """f(c): observed ÷ predicted acceptance of judged drafts in c's bin."""
+        b = self._bin(confidence)
+        return self.hits[b] / max(self.predicted[b], 1e-6)
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(BINS - 1, max(0, int(confidence * BINS)))
+
     def next_k(self) -> int:
-        best = max(range(1, self.max_k + 1), key=self.rate)
-        self._survival, self._rate = 1.0, self.rate(best)
-        return best if self.seen else min(best, 4)
+        best = self.best()
+        measured = self.draft.lengths()
+        exploring = len(measured) < 2 and self.seen < EXPLORE_BLOCKS
+        k = best
+        if not measured:
+            k = min(FIRST_K, self.max_k)
+        elif exploring and best in measured:
+            only = measured[0]
+            k = only + 2 if only + 2 <= self.max_k else max(1, only - 2)
+        self._block(self.rate(best), exploring)
+        return k
 
     def observe(self, step: DraftStep) -> bool:
         i = step.position
-        self._survival *= self.accept[i]
+        confidence = float(step.probs.max())
+        self._bins[i] = self._bin(confidence)
+        self._survival *= _clip(self.accept[i] * self.calibration(confidence))
         if i + 1 >= self.max_k:
             return True
-        confidence = float(step.probs.max())
-        gain_per_ms = self._survival * min(self.accept[i + 1], confidence) / max(self.draft_ms + self.verify1_ms, 1e-6)
-        return gain_per_ms < self._rate
+        if self._exploring:
+            return False
+        marginal_ms = max(self.draft.c1 + self.verify.c1, 1e-6)
+        return self._survival * self.accept[i + 1] / marginal_ms < self._rate
 
     def update(self, feedback: BlockFeedback) -> None:
         drafted, accepted = feedback.drafted, feedback.accepted
+        if drafted <= 0:
+            return
         b = self.beta
-        for i in range(min(drafted, accepted + 1)):  # positions the verifier judged
+        for i in range(min(drafted, accepted + 1, self.max_k)):  # positions the verifier judged
             hit = 1.0 if i < accepted else 0.0
-            self.accept[i] = min(0.99, max(0.01, (1 - b) * self.accept[i] + b * hit))
-        if drafted > 0 and feedback.draft_ms > 0:
-            self.draft_ms = (1 - b) * self.draft_ms + b * feedback.draft_ms / drafted if self.seen else feedback.draft_ms / drafted
-        if feedback.verify_ms > 0:
-            per_token = 0.05 * feedback.verify_ms / max(drafted, 1)  # a small share grows with k
-            base = feedback.verify_ms - per_token * drafted
-            self.verify0_ms = (1 - b) * self.verify0_ms + b * base if self.seen else base
-            self.verify1_ms = (1 - b) * self.verify1_ms + b * per_token if self.seen else per_token
-        overhead = feedback.queue_ms + feedback.network_ms
+            if i in self._bins:
+                j = self._bins[i]
+                self.hits[j] = (1 - b) * self.hits[j] + b * hit
+                self.predicted[j] = (1 - b) * self.predicted[j] + b * self.accept[i]
+            self.accept[i] = _clip((1 - b) * self.accept[i] + b * hit)
+        self._bins = {}
+        self.draft.add(drafted, feedback.draft_ms)
+        self.verify.add(drafted, feedback.verify_ms)
+        overhead = feedback.queue_ms + feedback.network_ms + feedback.overhead_ms
         self.overhead_ms = (1 - b) * self.overhead_ms + b * overhead if self.seen else overhead
         self.seen += 1
 
+    # --- shorthand for the fitted lines ---
+    @property
+    def costs(self) -> Dict[str, float]:
+        """d0, d1, v0, v1 and o in ms."""
+        return {"d0": self.draft.c0, "d1": self.draft.c1, "v0": self.verify.c0, "v1": self.verify.c1,
+                "o": self.overhead_ms}
+
     def state_dict(self) -> Dict[str, Any]:
-        return {"accept": list(self.accept), "draft_ms": self.draft_ms, "verify0_ms": self.verify0_ms,
-                "verify1_ms": self.verify1_ms, "overhead_ms": self.overhead_ms, "seen": self.seen}
+        return {"accept": list(self.accept), "draft": self.draft.state_dict(), "verify": self.verify.state_dict(),
+                "overhead_ms": self.overhead_ms, "hits": list(self.hits), "predicted": list(self.predicted),
+                "seen": self.seen}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         accept = [float(a) for a in state["accept"]]
         if len(accept) != self.max_k:
             raise ValueError(f"state has {len(accept)} positions, policy has max={self.max_k}")
-        self.accept = accept
-        for key in ("draft_ms", "verify0_ms", "verify1_ms", "overhead_ms"):
-            setattr(self, key, float(state[key]))
+        hits, predicted = [float(h) for h in state["hits"]], [float(p) for p in state["predicted"]]
+        if len(hits) != BINS or len(predicted) != BINS:
+            raise ValueError(f"state has {len(hits)} confidence bins, policy has {BINS}")
+        self.draft.load_state_dict(state["draft"])
+        self.verify.load_state_dict(state["verify"])
+        self.accept, self.hits, self.predicted = accept, hits, predicted
+        self.overhead_ms = float(state["overhead_ms"])
         self.seen = int(state["seen"])
