@@ -1,4 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
+SHELL  := /bin/bash
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -18,8 +19,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The real pair by default (verifier smollm2, drafter smollm2-pretrained); the first run converts the
+# verifier's GGUF once into ~/.cache/steerspec (about a minute). The prompt ends its line.
 run: $(STAMP)
-	$(VENV)/bin/steerspec run "def fibonacci(n):"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/steerspec run $$'def fibonacci(n):\n'
 
 test: $(STAMP)
 	bash scripts/ensure-redis.sh

@@ -266,8 +266,8 @@ def test_cli_sprinter_without_a_head_is_one_line_exit_2(capsys, tmp_path):
 
 @pytest.mark.skipif(not (__import__("conftest").bundled_pair_present()), reason="bundled pair not built")
 def test_cli_json_marks_sprinter_lossy_and_exact_not(capsys):
-    args = ("run", "def parse(line):", "--transport", "inproc", "--max-new-tokens", "12", "--temperature", "1",
-            "--seed", "3", "--json")
+    args = ("run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--transport", "inproc",
+            "--max-new-tokens", "12", "--temperature", "1", "--seed", "3", "--json")
     code, out, _ = _cli(capsys, *args, "--verification", "sprinter:threshold=0.4,max_run=4")
     lossy = json.loads(out)
     assert code == 0 and lossy["lossy"] is True and lossy["verification"] == "sprinter" and lossy["max_run"] == 4

