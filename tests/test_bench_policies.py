@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from safetensors import safe_open
 
 from steerspec.cli import main
 
@@ -14,15 +14,15 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     verifier, drafter = tiny_pair
     heads = {}
     for kind in ("specdecpp", "pacer"):
-        out, work = tmp_path / f"{kind}.pt", tmp_path / "work"
+        out, work = tmp_path / f"{kind}.safetensors", tmp_path / "work"
         base = ["train", kind, "--verifier", str(verifier), "--drafter", str(drafter), "--prompts", "6",
                 "--answer-tokens", "12", "--gamma", "6", "--stride", "3", "--out", str(out), "--work", str(work)]
         assert main(base + ["--epochs", "1"]) == 0
         assert main(base + ["--epochs", "2"]) == 0  # resumes from checkpoint-KIND.pt: one more epoch
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert len(report["losses"]) == 2 and 0.0 <= report["heldout"]["roc_auc"] <= 1.0
-        blob = torch.load(out, weights_only=True)
-        assert blob["kind"] == kind and out.stat().st_size < 1_000_000
+        with safe_open(str(out), framework="pt") as handle:
+            assert handle.metadata()["kind"] == kind and out.stat().st_size < 1_000_000
         assert (tmp_path / f"{kind}_MODEL_CARD.md").read_text().count("ROC AUC") == 1
         heads[kind] = out
     assert (tmp_path / "work" / "labels.pt").is_file()  # labels shared by both kinds

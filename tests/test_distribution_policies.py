@@ -36,7 +36,7 @@ def pair(loaded_pair, eval_prompts, tmp_path_factory):
     prefill(v, ids)
     size = int(drafter.config.hidden_size)
     torch.manual_seed(0)  # an untrained head: exactness must not depend on what it predicts
-    head = tmp_path_factory.mktemp("heads") / "pacer.pt"
+    head = tmp_path_factory.mktemp("heads") / "pacer.safetensors"
     save_head(head, "pacer", build_head("pacer", {"hidden_size": size}), {"hidden_size": size}, {})
     return verifier, v, d, ids, head, size
 

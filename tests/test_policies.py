@@ -194,12 +194,12 @@ def test_every_bundled_drafter_ships_its_heads(drafter):
     for kind in ("specdecpp", "pacer"):
         policy = make_policy(kind, PolicyContext(drafter_dir=str(directory), hidden_size=model.config.hidden_size))
         assert policy.name == kind
-        assert (directory / HEADS_DIR / f"{kind}.pt").stat().st_size < 2**20
+        assert (directory / HEADS_DIR / f"{kind}.safetensors").stat().st_size < 2**20
         assert "ROC AUC" in (directory / HEADS_DIR / f"{kind}_MODEL_CARD.md").read_text()
 
 
 def test_head_for_another_drafter_is_refused(tmp_path):
-    path = tmp_path / "pacer.pt"
+    path = tmp_path / "pacer.safetensors"
     save_head(path, "pacer", build_head("pacer", {"hidden_size": 32}), {"hidden_size": 32}, {})
     with pytest.raises(PolicyError, match="hidden size 32"):
         make_policy(f"pacer:head={path}", PolicyContext(hidden_size=128))
@@ -222,7 +222,7 @@ def setup(loaded_pair, eval_prompts, tmp_path_factory):
     torch.manual_seed(0)  # untrained heads: exactness must not depend on what a head predicts
     size = int(drafter.config.hidden_size)
     for kind in ("pacer", "specdecpp"):
-        save_head(root / f"{kind}.pt", kind, build_head(kind, {"hidden_size": size}), {"hidden_size": size}, {})
+        save_head(root / f"{kind}.safetensors", kind, build_head(kind, {"hidden_size": size}), {"hidden_size": size}, {})
     return v, d, prompts, config, reference, root, size
 
 
@@ -230,7 +230,7 @@ def _specs(root):
     specs = []
     for name in sorted(known_policies()):
         if name in ("pacer", "specdecpp"):
-            specs.append(f"{name}:head={root / (name + '.pt')}")
+            specs.append(f"{name}:head={root / (name + '.safetensors')}")
         else:
             specs.append(name)
     return specs

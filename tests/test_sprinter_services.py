@@ -133,7 +133,8 @@ def test_generation_span_marks_sprinter_lossy(bundled, tmp_path):
 def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
     from steerspec.cli import main
 
-    args = ["run", "def parse(line):", "--transport", "grpc", "--max-new-tokens", "12", "--temperature", "1",
+    args = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--transport", "grpc",
+            "--max-new-tokens", "12", "--temperature", "1",
             "--seed", "3", "--json", "--verification", "sprinter:threshold=0.4,max_run=4"]
     assert main(args) == 0
     services = json.loads(capsys.readouterr().out)

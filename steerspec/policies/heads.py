@@ -7,6 +7,7 @@ whose kind or hidden size does not match.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -58,19 +59,21 @@ KINDS = {"specdecpp": SpecDecHead, "pacer": PacerLayer}
 
 
 def head_path(kind: str, drafter_dir: Optional[str]) -> Path:
-    """Where a drafter's head of this kind lives: <drafter_dir>/policy_heads/<kind>.pt."""
+    """Where a drafter's head of this kind lives: <drafter_dir>/policy_heads/<kind>.safetensors."""
     if not drafter_dir:
         raise FileNotFoundError(f"{kind} needs a trained head: give head=PATH or a drafter directory "
                                 f"(train one with `steerspec train {kind}`)")
-    return Path(drafter_dir) / HEADS_DIR / f"{kind}.pt"
+    return Path(drafter_dir) / HEADS_DIR / f"{kind}.safetensors"
 
 
 def save_head(path: os.PathLike, kind: str, module: nn.Module, config: Dict[str, Any], meta: Dict[str, Any]) -> None:
-    """Write a head checkpoint (fp16 weights, small)."""
+    """Write a head as safetensors (fp16 weights, small; kind, config and meta in its JSON header)."""
+    from safetensors.torch import save_file
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.float16).cpu() for k, v in module.state_dict().items()}
-    torch.save({"kind": kind, "hidden_size": config["hidden_size"], "config": config, "state_dict": state,
-                "meta": meta}, path)
+    state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(path), metadata={"kind": kind, "hidden_size": str(int(config["hidden_size"])),
+                                          "config": json.dumps(config), "meta": json.dumps(meta)})
 
 
 def build_head(kind: str, config: Dict[str, Any]) -> nn.Module:
@@ -84,7 +87,16 @@ def load_head(kind: str, path: os.PathLike, hidden_size: Optional[int], device: 
     if not path.is_file():
         raise FileNotFoundError(f"no {kind} head at {path}; train one with `steerspec train {kind} "
                                 f"--drafter DIR` or give head=PATH")
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+            state = {k: handle.get_tensor(k) for k in handle.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path} is not a {kind} head (safetensors): {exc}") from None
+    blob = {"kind": header.get("kind"), "hidden_size": header.get("hidden_size", 0),
+            "config": json.loads(header.get("config", "{}")), "state_dict": state}
     if blob.get("kind") != kind:
         raise ValueError(f"{path} is a {blob.get('kind')!r} head, not {kind!r}")
     if hidden_size is not None and int(blob["hidden_size"]) != int(hidden_size):

@@ -27,7 +27,7 @@ from steerspec.policies.registry import Key, register
                     "rho": Key(float, 1.05, "threshold growth per round"),
                     "max": Key(int, 32, "cap on drafts per block"),
                     "ctx": Key(int, 32, "accepted hidden states kept as context"),
-                    "head": Key(str, "", "head file (default: <drafter>/policy_heads/pacer.pt)")},
+                    "head": Key(str, "", "head file (default: <drafter>/policy_heads/pacer.safetensors)")},
           doc="Pacer: blockwise pre-verification", length_keys=("max",))
 class Pacer(PolicyBase):
     """Rounds of b drafts; stop when the pre-verification layer's mean acceptance ≤ t (t·ρ per round)."""

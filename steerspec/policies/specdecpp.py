@@ -4,7 +4,7 @@ For draft i the head gives r_i = P(draft i is rejected | drafts 1..i-1 accepted)
 that the block already holds a rejection is 1 - Π_{j≤i}(1 - r_j); the block stops as soon as it
 exceeds h (SpecDec++'s stopping rule, its Section 4). Blocks are at most k long. The head is
 trained by `steerspec train specdecpp` (labels as in Pacer's Section 3.3) and lives in
-<drafter>/policy_heads/specdecpp.pt unless head=PATH is given.
+<drafter>/policy_heads/specdecpp.safetensors unless head=PATH is given.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from steerspec.policies.registry import Key, register
 
 @register("specdecpp", {"h": Key(float, 0.7, "stop when P(block holds a rejection) > h"),
                         "k": Key(int, 20, "most tokens per block"),
-                        "head": Key(str, "", "head file (default: <drafter>/policy_heads/specdecpp.pt)")},
+                        "head": Key(str, "", "head file (default: <drafter>/policy_heads/specdecpp.safetensors)")},
           doc="SpecDec++: trained rejection head")
 class SpecDecPP(PolicyBase):
     """Stop when 1 - Π(1 - r_i) > h, r_i from the trained head on the drafter's hidden state."""

@@ -9,7 +9,7 @@ that produced each draft, plus (Pacer) the hidden states of the last --ctx prefi
 SpecDec++'s head learns P(reject | earlier accepted) from the drafts up to and including the first
 rejection; Pacer's layer learns every draft's label. Seeded and resumable (WORK/labels.pt, shared by
 both kinds, and WORK/checkpoint-KIND.pt), with a tqdm bar; reports held-out accuracy and ROC AUC (held-out = a
-seeded 15% of the prompts); writes the head to DRAFTER/policy_heads/KIND.pt (or --out) with a model card.
+seeded 15% of the prompts); writes the head to DRAFTER/policy_heads/KIND.safetensors (or --out) with a model card.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ Command: `{command}`
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
     parser.add_argument("--drafter", default="pretrained", help="drafter checkpoint dir or bundled name")
-    parser.add_argument("--out", type=Path, default=None, help="head file (default DRAFTER/policy_heads/KIND.pt)")
+    parser.add_argument("--out", type=Path, default=None, help="head file (default DRAFTER/policy_heads/KIND.safetensors)")
     parser.add_argument("--work", type=Path, default=None, help="resumable state shared by both kinds: labels.pt, checkpoint-KIND.pt (default /tmp/steerspec-heads-NAME)")
     parser.add_argument("--prompts", type=int, default=160, help="training-split prompts to label")
     parser.add_argument("--answer-tokens", type=int, default=64, help="verifier answer length per prompt")
@@ -231,7 +231,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     seed_everything(args.seed)
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
-    out = Path(args.out) if args.out else ddir / HEADS_DIR / f"{kind}.pt"
+    out = Path(args.out) if args.out else ddir / HEADS_DIR / f"{kind}.safetensors"
     work = Path(args.work) if args.work else Path(f"/tmp/steerspec-heads-{ddir.name}")
     work.mkdir(parents=True, exist_ok=True)
     verifier, drafter = load_model(vdir, device=args.device).eval(), load_model(ddir, device=args.device).eval()
