@@ -76,6 +76,8 @@ class Summary:
     retries: int = 0  # client-side reconnects of this call
     lossy: bool = False  # lossy verification (sprinter): not the verifier's distribution
     verification: str = "exact"
+    # lossy sessions: measured eta_tp/eta_fp, Theorem 1's tv_bound, mean vs Theorem 2's expected run length
+    sprinter: Optional[Dict[str, float]] = None
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -88,7 +90,17 @@ class Summary:
                    stage_ms={"draft": s.draft_ms, "network": s.network_ms, "queue": s.queue_ms,
                              "verify": s.verify_ms, "overhead": s.overhead_ms},
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
-                   retries=retries, lossy=msg.lossy, verification=msg.verification or "exact")
+                   retries=retries, lossy=msg.lossy, verification=msg.verification or "exact",
+                   sprinter=_sprinter_theory(msg))
+
+
+def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[str, float]]:
+    """GenerationSummary.sprinter as in-process SPRINTER's `theory()` dict (None for exact sessions)."""
+    if not msg.HasField("sprinter"):
+        return None
+    t = msg.sprinter
+    return {"eta_tp": t.eta_tp, "eta_fp": t.eta_fp, "tv_pq": t.tv_pq, "tv_bound": t.tv_bound,
+            "mean_run_length": t.mean_run_length, "expected_run_length": t.expected_run_length}
 
 
 Item = Union[Chunk, Summary]

@@ -142,6 +142,7 @@ def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     assert on_ray["deployment"] == "ray" and on_ray["lossy"] is True and on_ray["verification"] == "sprinter"
     assert on_ray["token_ids"] == in_process["token_ids"] and len(on_ray["token_ids"]) == 16
     assert on_ray["verifier_calls"] == in_process["verifier_calls"] < 16
+    assert on_ray["sprinter"] == in_process["sprinter"]  # the verifier actor's labels: the same theory figures
 
 
 def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):

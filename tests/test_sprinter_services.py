@@ -53,6 +53,9 @@ async def test_sprinter_through_services_equals_in_process(bundled, temperature)
                 assert list(summary.token_ids) == want.token_ids
                 assert [t for c in chunks for t in c.token_ids] == want.token_ids
                 assert summary.lossy and summary.verification == SPEC
+                # theory beside measurement: the verifier's labels of each run give the in-process figures
+                assert summary.sprinter == want.theory()
+                assert summary.sprinter["mean_run_length"] > 0 and 0 < summary.sprinter["eta_tp"] <= 1
                 assert summary.rounds == want.rounds < len(want.token_ids)  # fewer verifier calls than tokens
                 # kept tokens arrive in their own chunk, before their run's verifier call
                 runs_with_kept = sum(1 for d in want.block_drafted if d > 1)
@@ -144,6 +147,9 @@ def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
     assert main(args[:-2] + ["--transport", "inproc", "--verification", "sprinter:threshold=0.4,max_run=4"]) == 0
     in_process = json.loads(capsys.readouterr().out)
     assert in_process["token_ids"] == services["token_ids"]  # the same seed, the same tokens
+    assert services["sprinter"] == in_process["sprinter"]  # eta's, Theorem 1's bound, run lengths
+    assert set(services["sprinter"]) == {"eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length",
+                                         "expected_run_length"}
 
 
 async def test_bench_services_mode_measures_both_through_the_services(bundled):
