@@ -155,11 +155,16 @@ def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
 async def test_bench_services_mode_measures_both_through_the_services(bundled):
     from steerspec.bench import sprinter_services
 
-    verifier, drafter, _ = bundled
+    verifier, drafter, head = bundled
     rows = await sprinter_services.measure(verifier, drafter, PROMPTS[:1], seeds=1, rtts=[0.0], thresholds=[0.3],
                                            max_run=8, k=4, max_new_tokens=12, temperature=1.0, eos=())
     exact, lossy = rows["0"]["exact"], rows["0"]["sprinter@0.3"]
     assert exact["tokens"] == lossy["tokens"] == 12 and exact["speedup"] == 1.0
     assert lossy["verifier_calls"] < lossy["tokens"] and lossy["wall_s"] > 0
     assert lossy["speedup"] == lossy["tokens_per_s"] / exact["tokens_per_s"]
+    # the verifier's labels, pooled over the configuration's runs: one sequence here, so in-process's figures
+    config = DecodeConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=0)
+    want = sprinter_generate(cached_lm(verifier), cached_lm(drafter), PROMPTS[0], config, head.head, threshold=0.3,
+                             max_run=8).theory()
+    assert "eta_fp" not in exact and {key: lossy[key] for key in want} == want
     assert len(sprinter_services.table(rows)) == 3

@@ -81,6 +81,18 @@ class SprinterTally:
         self.labelled += labels.labelled
         self.run_r.append(labels.r)
 
+    @classmethod
+    def pooled(cls, tallies: Sequence["SprinterTally"], max_run: int) -> "SprinterTally":
+        """One tally over several generations' runs (their counts summed, their runs in order)."""
+        out = cls(max_run=max_run)
+        for t in tallies:
+            out.tp, out.fn, out.fp, out.tn = out.tp + t.tp, out.fn + t.fn, out.fp + t.fp, out.tn + t.tn
+            out.tv_pq_sum += t.tv_pq_sum
+            out.labelled += t.labelled
+            out.run_lengths.extend(t.run_lengths)
+            out.run_r.extend(t.run_r)
+        return out
+
     @property
     def eta(self) -> tuple:
         return F.rates(self.tp, self.fn, self.fp, self.tn)
