@@ -476,6 +476,7 @@ class SessionLoop:
                     if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
                         yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))
                     if finish:  # an EOS among them: no verifier call
+                        self._tally_run(block, None)  # the classifier's run counts; its tokens go unlabelled
                         if span is not None:
                             span.end()
                         break
@@ -545,13 +546,13 @@ class SessionLoop:
         self.cfg.store.append_tokens(self.req.session_id, new)
         return new, stop or ""
 
-    def _tally_run(self, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> None:
-        """SPRINTER: add the run's labels (VerifyResult.sprinter, not forwarded to the drafter) and the
-        number of tokens the drafter's classifier kept to the session's tally."""
+    def _tally_run(self, block: common_pb2.DraftBlock, result: Optional[common_pb2.VerifyResult]) -> None:
+        """SPRINTER: add the run's labels (VerifyResult.sprinter, not forwarded to the drafter; None: the run
+        had no verifier call) and the number of tokens the drafter's classifier kept to the session's tally."""
         tally = self.result.sprinter
         if tally is None:
             return
-        if result.HasField("sprinter"):
+        if result is not None and result.HasField("sprinter"):
             tally.add_labels(wire.decode_labels(result.sprinter))
             result.ClearField("sprinter")
         tally.run_lengths.append(max(int(block.head_kept), int(block.kept)))
