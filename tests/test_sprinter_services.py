@@ -168,3 +168,33 @@ async def test_bench_services_mode_measures_both_through_the_services(bundled):
                              max_run=8).theory()
     assert "eta_fp" not in exact and {key: lossy[key] for key in want} == want
     assert len(sprinter_services.table(rows)) == 3
+
+
+async def test_run_ending_on_a_kept_eos_counts_its_length_without_labels(bundled):
+    """An EOS among a run's kept tokens ends the session before the run's verifier call: the tally keeps
+    the run's length (as in-process) but has no labels for it; every earlier run's labels are equal."""
+    verifier, drafter, head = bundled
+    ids, spec = PROMPTS[0], "sprinter:threshold=0.3,max_run=16"
+
+    def in_process(eos):
+        config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=1.0), seed=0,
+                              eos_token_ids=tuple(eos))
+        return sprinter_generate(cached_lm(verifier), cached_lm(drafter), ids, config, head.head, threshold=0.3,
+                                 max_run=16)
+
+    free = in_process(())
+    kept_positions, position = [], 0  # output positions committed without the verifier
+    for drafted, accepted in zip(free.block_drafted, free.block_accepted):
+        kept_positions += range(position, position + drafted - 1)
+        position += accepted + 1
+    token_ids = free.token_ids
+    eos = next(token_ids[p] for p in kept_positions if token_ids[p] not in token_ids[:p])
+    want = in_process([eos])
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(eos,),
+                            allow_lossy=True) as cluster:
+        got = await cluster.generate(ids, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0, verification=spec,
+                                     timeout=300)
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == eos and got.stop_reason == "eos"
+    assert got.rounds == want.rounds - 1  # the last run needed no verifier call
+    assert got.sprinter.run_lengths == want.run_lengths  # ... but its length counts
+    assert got.sprinter.run_r == want.run_r[:-1] and got.sprinter.labelled < want.labelled
