@@ -78,6 +78,8 @@ class Summary:
     verification: str = "exact"
     draft_compute_ms: float = 0.0  # mean per block: the drafter's own compute
     batch_size: float = 0.0  # mean per block: blocks in the verifier's forward pass
+    # lossy sessions: measured eta_tp/eta_fp, Theorem 1's tv_bound, mean vs Theorem 2's expected run length
+    sprinter: Optional[Dict[str, float]] = None
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -91,7 +93,17 @@ class Summary:
                              "verify": s.verify_ms, "overhead": s.overhead_ms},
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
                    retries=retries, lossy=msg.lossy, verification=msg.verification or "exact",
-                   draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size)
+                   draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size,
+                   sprinter=_sprinter_theory(msg))
+
+
+def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[str, float]]:
+    """GenerationSummary.sprinter as in-process SPRINTER's `theory()` dict (None for exact sessions)."""
+    if not msg.HasField("sprinter"):
+        return None
+    t = msg.sprinter
+    return {"eta_tp": t.eta_tp, "eta_fp": t.eta_fp, "tv_pq": t.tv_pq, "tv_bound": t.tv_bound,
+            "mean_run_length": t.mean_run_length, "expected_run_length": t.expected_run_length}
 
 
 Item = Union[Chunk, Summary]

@@ -148,7 +148,7 @@ class RayDeployment:
             bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed, redis_url=s.redis_url,
             trace_file=s.trace_file, num_threads=s.num_threads or 0, steering_head=s.steering_dir(),
             verifier_options=s.verifier_options, drafter_options=s.drafter_options, one_coordinator=True,
-            **self.placement)
+            allow_lossy=s.allow_lossy, **self.placement)
 
     async def start(self) -> None:
         ray = import_ray()
@@ -235,7 +235,8 @@ def run_distributed(args, prompt_ids: Sequence[int]):
                         drafters=1 if mode == "speculative" else 0, dtype=_arg(args, "dtype", "float32"),
                         device=_arg(args, "device", "cpu"), link=link_from_args(args),
                         num_threads=int(_arg(args, "threads", 0)), trace_file=_arg(args, "trace_file", None),
-                        allow_lossy=lossy, drafter_options={"sprinter_head": str(head)} if head else {})
+                        allow_lossy=lossy,  # an absolute head path: Ray's drafter actors run elsewhere
+                        drafter_options={"sprinter_head": str(Path(head).resolve())} if head else {})
     return asyncio.run(_generate_once(services, _arg(args, "deployment", "local"), args, list(prompt_ids)))
 
 

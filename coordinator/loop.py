@@ -49,7 +49,9 @@ from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.policies.base import MAX_K
 from steerspec.policies.registry import PolicyError, max_block, parse_spec
+from steerspec import wire
 from steerspec.sampling import SamplingParams
+from steerspec.sprinter.labels import SprinterTally
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
     if len(block.draft_ids) <= k:
         return
     del block.draft_ids[k:]
+    block.head_kept = min(int(block.head_kept), k)
     if block.HasField("q"):
         if k == 0:
             block.ClearField("q")
@@ -228,6 +231,8 @@ class SessionLoop:
                                         prompt_tokens=len(self.prompt), session_id=request.session_id,
                                         resumes=resumes, restored=len(self.generated),
                                         verification=request.verification)
+        if request.lossy:  # the verifier's labels of every run, tallied as in-process SPRINTER tallies them
+            self.result.sprinter = SprinterTally(max_run=request.verification_spec().max_run)
         self.link = config.link.link(request.session_id)
         self.verifier: Optional[Stream] = None
         self.drafter: Optional[Stream] = None
@@ -480,6 +485,7 @@ class SessionLoop:
                     if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
                         yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))
                     if finish:  # an EOS among them: no verifier call
+                        self._tally_run(block, None)  # the classifier's run counts; its tokens go unlabelled
                         if span is not None:
                             span.end()
                         break
@@ -497,6 +503,7 @@ class SessionLoop:
                 drafted = len(block.draft_ids)
                 accepted = int(result.accepted)
                 n_kept = len(kept)
+                self._tally_run(block, result)
                 if not n_kept <= accepted <= drafted or \
                         result.committed_length != self.committed_length - n_kept + accepted + 1:
                     raise SessionError(grpc.StatusCode.INTERNAL,
@@ -547,6 +554,17 @@ class SessionLoop:
         self.generated.extend(new)
         self.cfg.store.append_tokens(self.req.session_id, new)
         return new, stop or ""
+
+    def _tally_run(self, block: common_pb2.DraftBlock, result: Optional[common_pb2.VerifyResult]) -> None:
+        """SPRINTER: add the run's labels (VerifyResult.sprinter, not forwarded to the drafter; None: the run
+        had no verifier call) and the number of tokens the drafter's classifier kept to the session's tally."""
+        tally = self.result.sprinter
+        if tally is None:
+            return
+        if result is not None and result.HasField("sprinter"):
+            tally.add_labels(wire.decode_labels(result.sprinter))
+            result.ClearField("sprinter")
+        tally.run_lengths.append(max(int(block.head_kept), int(block.kept)))
 
     def _begin_block_span(self) -> str:
         """Start the span of the block being asked for now; its traceparent for the drafter ("" untraced)."""

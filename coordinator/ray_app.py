@@ -15,7 +15,7 @@ environment; Ray is started by ``coordinator.launch``. Every actor is an asyncio
 ``grpc.aio`` server in the actor's event loop (``host`` 127.0.0.1 by default, port 0) and returns
 ``"host:port"``; ``stop()`` shuts it down gracefully; ``node_id()`` says where it runs.
 
-    python -m coordinator.ray_app --address auto --detached --host node --drafters 2
+    python -m coordinator.ray_app --address auto --detached --host node --drafters 2 [--allow-lossy]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from coordinator.launch import import_ray, init_ray
@@ -179,9 +180,10 @@ class CoordinatorServer(_ServerActor):
                  rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0, link_seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
                  trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
-                 heartbeat_ttl_s: float = 5.0, policy: str = "") -> None:
+                 heartbeat_ttl_s: float = 5.0, policy: str = "", allow_lossy: bool = False) -> None:
         self.verifiers, self.drafters = list(verifiers), list(drafters)
         self.policy = policy
+        self.allow_lossy = allow_lossy  # serve lossy verification (sprinter) requests
         self.tokenizer_name = tokenizer
         self.link_args = dict(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, seed=link_seed)
         self.host, self.port, self.redis_url = host, port, redis_url
@@ -217,7 +219,8 @@ class CoordinatorServer(_ServerActor):
                                   drafters=self.drafters,
                                   link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
-                                  defaults={"policy": self.policy} if self.policy else None)
+                                  defaults={"policy": self.policy} if self.policy else None,
+                                  allow_lossy=self.allow_lossy)
         self.running = await serve(coordinator, host=host, port=self.port)
         self.coordinator = coordinator
         return self.running.target
@@ -361,13 +364,16 @@ def deploy(
     one_coordinator: bool = False,
     detached: bool = False,
     policy: str = "",
+    allow_lossy: bool = False,
     timeout: float = 300,
 ) -> Deployment:
     """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
 
     Each coordinator is pinned (hard node affinity) to the node its drafter landed on; `drafters=0`
     places one coordinator with no drafter (autoregressive sessions only); `one_coordinator` places
-    one coordinator, next to the first drafter, that places sessions on all of them (as `LocalCluster`). Ray must be initialised
+    one coordinator, next to the first drafter, that places sessions on all of them (as `LocalCluster`);
+    `allow_lossy`: the coordinators serve lossy (sprinter) requests, whose drafter head is
+    `drafter_options["sprinter_head"]` or the drafter's own `sprinter/`. Ray must be initialised
     (`coordinator.launch.init_ray`). Returns once every server answers with its address.
     """
     ray = import_ray()
@@ -399,7 +405,8 @@ def deploy(
             ).remote(verifiers=[deployment.verifier_target], drafters=d_targets,
                      tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
                      bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
-                     redis_url=redis_url, trace_file=trace_file, metrics_port=m_port, policy=policy)
+                     redis_url=redis_url, trace_file=trace_file, metrics_port=m_port, policy=policy,
+                     allow_lossy=allow_lossy)
             deployment.coordinators.append(c_actor)
         deployment.coordinator_targets = ray.get([c.start.remote() for c in deployment.coordinators],
                                                  timeout=timeout)
@@ -439,14 +446,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steering-head", default=None, help="SD² checkpoint directory for the verifier")
     parser.add_argument("--policy", default="", metavar="SPEC",
                         help="draft-length policy for requests that name none, NAME[:key=value,...] (default: fixed)")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="accept lossy verification requests (sprinter); without it they get FAILED_PRECONDITION")
+    parser.add_argument("--sprinter-head", default=None, metavar="DIR",
+                        help="SPRINTER classifier head for the drafters' lossy sessions (default: DRAFTER/sprinter)")
     add_link_arguments(parser)
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
     args = parser.parse_args(argv)
     from coordinator.cli import policy_defaults
     from steerspec.errors import UsageError
 
+    head = None
     try:
         policy_defaults(args.policy)
+        if args.sprinter_head:  # checked here, and absolute: the drafter actors' working directory is not ours
+            from steerspec.sprinter.head import load_head
+
+            head = str(Path(args.sprinter_head).resolve())
+            load_head(head)
     except UsageError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     link = link_from_args(args)
@@ -456,7 +473,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         metrics_port=args.metrics_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
         dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
         jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
-        device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy)
+        device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy,
+        allow_lossy=args.allow_lossy, drafter_options={"sprinter_head": head} if head else None)
     print(f"verifier    {deployment.verifier_target}", flush=True)
     for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):
         print(f"drafter     {d}\ncoordinator {c}", flush=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from steerspec.metrics import GenerationResult
 from steerspec.rounds import BlockStats  # noqa: F401  (re-exported: the one per-block stats type)
+from steerspec.sprinter.labels import SprinterTally, theory_line
 from steerspec.v1 import coordinator_pb2
 
 
@@ -40,10 +41,15 @@ class DistributedResult(GenerationResult):
     transport: str = "grpc"
     restored: int = 0  # tokens restored from a checkpoint (resumed session): not counted as this run's work
     verification: str = "exact"  # "sprinter:..." marks a lossy session (not the verifier's distribution)
+    sprinter: Optional[SprinterTally] = None  # lossy sessions: the verifier's labels of every run
 
     @property
     def lossy(self) -> bool:
         return self.verification.split(":")[0] == "sprinter"
+
+    def sprinter_theory(self) -> Optional[Dict[str, float]]:
+        """Measured η's, Theorem 1's bound and Theorem 2's run length (`SprinterTally.theory`); None if exact."""
+        return self.sprinter.theory() if self.sprinter is not None else None
 
     @property
     def block_efficiency(self) -> float:
@@ -91,6 +97,9 @@ class DistributedResult(GenerationResult):
         if self.lossy:
             out["verification_spec"] = self.verification
             out["verifier_calls"] = self.rounds
+            theory = self.sprinter_theory()
+            if theory is not None:
+                out["sprinter"] = theory
         return out
 
     def summary(self) -> str:
@@ -98,11 +107,17 @@ class DistributedResult(GenerationResult):
         if self.lossy:
             text += (f"\nLOSSY ({self.verification}): tokens the drafter's classifier kept were committed without "
                      f"the verifier ({self.rounds} verifier calls for {self.generated - self.restored} tokens)")
+            theory = self.sprinter_theory()
+            if theory is not None:
+                text += "\n" + theory_line(theory)
         return text
 
     def to_summary(self, text: str = "") -> coordinator_pb2.GenerationSummary:
         stages = self.stage_ms()
         rate = self.acceptance_rate
+        theory = self.sprinter_theory()
+        sprinter = None if theory is None else coordinator_pb2.SprinterTheory(**theory,
+                                                                              labelled=self.sprinter.labelled)
         return coordinator_pb2.GenerationSummary(
             session_id=self.session_id, token_ids=self.token_ids, text=text, rounds=self.rounds,
             drafted=self.drafted, accepted=self.accepted, block_efficiency=self.block_efficiency,
@@ -114,7 +129,7 @@ class DistributedResult(GenerationResult):
             wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id,
             lossy=self.lossy, verification=self.verification,
             draft_compute_ms=_mean([x.draft_compute_ms for x in self.blocks]),
-            batch_size=_mean([x.batch_size for x in self.blocks]))
+            batch_size=_mean([x.batch_size for x in self.blocks]), sprinter=sprinter)
 
 
 def end_block_span(span, stats: BlockStats) -> None:

@@ -33,6 +33,9 @@ class SummaryResult(DistributedResult):
     def stage_ms(self, reduce=None):
         return dict(self.wire_summary.stage_ms)
 
+    def sprinter_theory(self):
+        return self.wire_summary.sprinter
+
     def to_json(self):
         out = super().to_json()
         out.pop("stage_ms_median", None)

@@ -164,7 +164,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             from steerspec.sprinter.decoding import SprinterScorer
 
             threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
-            session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold)
+            session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold, loaded.lam)
         return session
 
     def _sprinter_head(self):
@@ -191,6 +191,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
         block.kept = out.kept
+        if session.sprinter is not None:
+            block.head_kept, block.sprinter_lambda = out.head_kept, session.sprinter.lam
         block.policy_state = policy_state(session.policy)
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,

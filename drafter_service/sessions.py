@@ -87,6 +87,7 @@ class DraftOutput:
     draft_ms: float
     batch_size: int = 1  # sessions drafted in the same batched passes
     kept: int = 0  # SPRINTER: leading drafts committed without verification (DraftBlock.kept)
+    head_kept: int = 0  # SPRINTER: drafts the classifier kept, the run's last one included (DraftBlock.head_kept)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class SprinterRun:
 
     scorer: object  # steerspec.sprinter.decoding.SprinterScorer over the session's cache
     threshold: float
+    lam: float = 1.0  # the λ the head was trained with: the verifier labels the run's tokens with it
 
 
 @dataclass
@@ -175,13 +177,14 @@ class Drafter:
         k = self.block_length(session)
         if self.hooks is not None:
             self._steer(session)
-        kept = 0
+        kept = head_kept = 0
         try:
             config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
             if session.sprinter is not None:  # a run: token by token until the head predicts a rejection
                 block, flags = draft_run(session.lm, session.committed, k, config, session.generator,
                                          session.sprinter.scorer, session.sprinter.threshold)
                 kept = max(len(flags) - 1, 0)  # the run's last token is always checked by the verifier
+                head_kept = sum(flags)  # ... but the head kept it too when the run ended at max_run or the budget
             else:
                 block = draft_block(session.lm, session.committed, k, config, session.generator, session.policy)
         finally:
@@ -190,7 +193,7 @@ class Drafter:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         out = self._output(block, start)
-        out.kept = kept
+        out.kept, out.head_kept = kept, head_kept
         return out
 
     @torch.inference_mode()

@@ -244,6 +244,8 @@ class WireBlock:
     q: Optional[SparseDist]
     draft_ms: float = 0.0
     kept: int = 0  # SPRINTER: leading drafts kept by the drafter's classifier (accepted without a test)
+    head_kept: int = 0  # SPRINTER: drafts the classifier kept, the run's last one included (>= kept)
+    lam: float = 1.0  # SPRINTER: the λ of the verifier's labels (q(x)/p(x) <= λ is acceptable)
 
     @property
     def k(self) -> int:
@@ -279,5 +281,24 @@ def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> W
         raise invalid(f"draft_ms must be a finite time >= 0, got {msg.draft_ms}")
     if msg.kept > k:
         raise invalid(f"kept {msg.kept} exceeds the block's {k} draft tokens")
+    if msg.head_kept > k:
+        raise invalid(f"head_kept {msg.head_kept} exceeds the block's {k} draft tokens")
+    if not math.isfinite(msg.sprinter_lambda) or msg.sprinter_lambda < 0:
+        raise invalid(f"sprinter_lambda must be a finite λ > 0 (0 = 1.0), got {msg.sprinter_lambda}")
     return WireBlock(seq=int(msg.seq), committed_length=int(msg.committed_length), draft_ids=ids, q=q,
-                     draft_ms=float(msg.draft_ms), kept=int(msg.kept))
+                     draft_ms=float(msg.draft_ms), kept=int(msg.kept), head_kept=max(int(msg.head_kept), int(msg.kept)),
+                     lam=float(msg.sprinter_lambda) or 1.0)
+
+
+def encode_labels(labels) -> common_pb2.SprinterLabels:
+    """A run's `sprinter.labels.RunLabels` as VerifyResult.sprinter."""
+    return common_pb2.SprinterLabels(tp=labels.tp, fn=labels.fn, fp=labels.fp, tn=labels.tn, r=labels.r,
+                                     tv_pq_sum=labels.tv_pq_sum)
+
+
+def decode_labels(msg: common_pb2.SprinterLabels):
+    """VerifyResult.sprinter -> `sprinter.labels.RunLabels`."""
+    from steerspec.sprinter.labels import RunLabels
+
+    return RunLabels(tp=int(msg.tp), fn=int(msg.fn), fp=int(msg.fp), tn=int(msg.tn), r=int(msg.r),
+                     tv_pq_sum=float(msg.tv_pq_sum))

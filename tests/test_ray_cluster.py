@@ -6,8 +6,10 @@ Head raylet: {"edge": 2, CPU 1} (drafter + coordinator); second raylet: {"verifi
 
 from __future__ import annotations
 
+import json
 import os
 
+import grpc
 import pytest
 import torch
 
@@ -88,6 +90,14 @@ def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_pat
         assert summary.token_ids == expected.token_ids
         assert summary.finish_reason == expected.stop_reason
         _check_cross_process_trace(trace_file, summary, pids)
+        # Deployed without allow_lossy: a sprinter request is refused, and the coordinator keeps serving.
+        with Client(deployment.coordinator_target, retries=0) as client:
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete(prompt_ids=prompt, max_new_tokens=4, verification="sprinter", timeout=60)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--allow-lossy" in info.value.details()
+            assert client.complete(prompt_ids=prompt, max_new_tokens=4, k=4, timeout=120).token_ids == \
+                expected.token_ids[:4]
     finally:
         deployment.shutdown()
     if redis_url:  # a graceful stop leaves the registry
@@ -116,3 +126,30 @@ def _check_cross_process_trace(trace_file, summary, pids) -> None:
     blocks = [s for s in spans if s["name"] == "steerspec.block"]
     assert len(blocks) == summary.rounds
     assert len([s for s in spans if s["name"] == "steerspec.verifier.forward"]) == summary.rounds
+
+
+def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
+    """`steerspec run --deployment ray --verification sprinter` (the coordinator actor started with
+    allow_lossy, the drafter actor drafting runs with the bundled head) gives the in-process tokens."""
+    from steerspec.cli import main
+
+    argv = ["run", "def parse(line):", "--max-new-tokens", "16", "--temperature", "1", "--seed", "5",
+            "--threads", "1", "--json", "--verification", "sprinter:threshold=0.4,max_run=6"]
+    assert main([*argv, "--transport", "grpc", "--deployment", "ray"]) == 0
+    on_ray = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*argv, "--transport", "inproc"]) == 0
+    in_process = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert on_ray["deployment"] == "ray" and on_ray["lossy"] is True and on_ray["verification"] == "sprinter"
+    assert on_ray["token_ids"] == in_process["token_ids"] and len(on_ray["token_ids"]) == 16
+    assert on_ray["verifier_calls"] == in_process["verifier_calls"] < 16
+    assert on_ray["sprinter"] == in_process["sprinter"]  # the verifier actor's labels: the same theory figures
+
+
+def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):
+    from coordinator.ray_app import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--allow-lossy", "--sprinter-head", str(tmp_path / "none")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no SPRINTER head" in err[0]

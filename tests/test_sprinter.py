@@ -300,3 +300,19 @@ def test_train_sprinter_is_seeded_and_resumable(capsys, tiny_pair, tmp_path):
         assert torch.equal(value, b.head.state_dict()[key]), key
     code, _, err = _cli(capsys, *common, "--threshold", "1.2")
     assert code == 2 and "--threshold" in err
+
+
+def test_pooled_tally_sums_counts_and_keeps_runs_in_order():
+    from steerspec.sprinter.labels import RunLabels, SprinterTally
+
+    a, b = SprinterTally(max_run=4), SprinterTally(max_run=4)
+    a.add_labels(RunLabels(tp=2, fn=0, fp=1, tn=1, r=2, tv_pq_sum=0.5))
+    a.run_lengths.append(3)
+    b.add_labels(RunLabels(tp=1, fn=1, fp=0, tn=0, r=2, tv_pq_sum=0.25))
+    b.add_labels(None)  # a run with no tokens: nothing labelled
+    b.run_lengths.append(1)
+    pooled = SprinterTally.pooled([a, b], max_run=4)
+    assert (pooled.tp, pooled.fn, pooled.fp, pooled.tn, pooled.labelled) == (3, 1, 1, 1, 6)
+    assert pooled.run_lengths == [3, 1] and pooled.run_r == [2, 2] and pooled.tv_pq_sum == 0.75
+    t = pooled.theory()
+    assert (t["eta_tp"], t["eta_fp"], t["tv_pq"], t["tv_bound"], t["mean_run_length"]) == (0.75, 0.5, 0.125, 0.0625, 2.0)

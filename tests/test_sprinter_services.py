@@ -53,6 +53,9 @@ async def test_sprinter_through_services_equals_in_process(bundled, temperature)
                 assert list(summary.token_ids) == want.token_ids
                 assert [t for c in chunks for t in c.token_ids] == want.token_ids
                 assert summary.lossy and summary.verification == SPEC
+                # theory beside measurement: the verifier's labels of each run give the in-process figures
+                assert summary.sprinter == want.theory()
+                assert summary.sprinter["mean_run_length"] > 0 and 0 < summary.sprinter["eta_tp"] <= 1
                 assert summary.rounds == want.rounds < len(want.token_ids)  # fewer verifier calls than tokens
                 # kept tokens arrive in their own chunk, before their run's verifier call
                 runs_with_kept = sum(1 for d in want.block_drafted if d > 1)
@@ -145,16 +148,54 @@ def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
     assert main(args[:-2] + ["--transport", "inproc", "--verification", "sprinter:threshold=0.4,max_run=4"]) == 0
     in_process = json.loads(capsys.readouterr().out)
     assert in_process["token_ids"] == services["token_ids"]  # the same seed, the same tokens
+    assert services["sprinter"] == in_process["sprinter"]  # eta's, Theorem 1's bound, run lengths
+    assert set(services["sprinter"]) == {"eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length",
+                                         "expected_run_length"}
 
 
 async def test_bench_services_mode_measures_both_through_the_services(bundled):
     from steerspec.bench import sprinter_services
 
-    verifier, drafter, _ = bundled
+    verifier, drafter, head = bundled
     rows = await sprinter_services.measure(verifier, drafter, PROMPTS[:1], seeds=1, rtts=[0.0], thresholds=[0.3],
                                            max_run=8, k=4, max_new_tokens=12, temperature=1.0, eos=())
     exact, lossy = rows["0"]["exact"], rows["0"]["sprinter@0.3"]
     assert exact["tokens"] == lossy["tokens"] == 12 and exact["speedup"] == 1.0
     assert lossy["verifier_calls"] < lossy["tokens"] and lossy["wall_s"] > 0
     assert lossy["speedup"] == lossy["tokens_per_s"] / exact["tokens_per_s"]
+    # the verifier's labels, pooled over the configuration's runs: one sequence here, so in-process's figures
+    config = DecodeConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=0)
+    want = sprinter_generate(cached_lm(verifier), cached_lm(drafter), PROMPTS[0], config, head.head, threshold=0.3,
+                             max_run=8).theory()
+    assert "eta_fp" not in exact and {key: lossy[key] for key in want} == want
     assert len(sprinter_services.table(rows)) == 3
+
+
+async def test_run_ending_on_a_kept_eos_counts_its_length_without_labels(bundled):
+    """An EOS among a run's kept tokens ends the session before the run's verifier call: the tally keeps
+    the run's length (as in-process) but has no labels for it; every earlier run's labels are equal."""
+    verifier, drafter, head = bundled
+    ids, spec = PROMPTS[0], "sprinter:threshold=0.3,max_run=16"
+
+    def in_process(eos):
+        config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=1.0), seed=0,
+                              eos_token_ids=tuple(eos))
+        return sprinter_generate(cached_lm(verifier), cached_lm(drafter), ids, config, head.head, threshold=0.3,
+                                 max_run=16)
+
+    free = in_process(())
+    kept_positions, position = [], 0  # output positions committed without the verifier
+    for drafted, accepted in zip(free.block_drafted, free.block_accepted):
+        kept_positions += range(position, position + drafted - 1)
+        position += accepted + 1
+    token_ids = free.token_ids
+    eos = next(token_ids[p] for p in kept_positions if token_ids[p] not in token_ids[:p])
+    want = in_process([eos])
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(eos,),
+                            allow_lossy=True) as cluster:
+        got = await cluster.generate(ids, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0, verification=spec,
+                                     timeout=300)
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == eos and got.stop_reason == "eos"
+    assert got.rounds == want.rounds - 1  # the last run needed no verifier call
+    assert got.sprinter.run_lengths == want.run_lengths  # ... but its length counts
+    assert got.sprinter.run_r == want.run_r[:-1] and got.sprinter.labelled < want.labelled

@@ -55,6 +55,29 @@ def test_greedy_block_is_ids_only_and_small():
     assert block.q is None and block.draft_ids.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_sprinter_block_fields_and_labels_round_trip():
+    from steerspec.sprinter.labels import RunLabels
+
+    msg = wire.encode_block(1, 10, [4, 5, 6])
+    msg.kept, msg.head_kept, msg.sprinter_lambda = 2, 3, 1.2
+    block = wire.decode_block(msg, VOCAB, greedy=True)
+    assert (block.kept, block.head_kept, block.lam) == (2, 3, 1.2)
+    msg.head_kept, msg.sprinter_lambda = 0, 0.0  # an older drafter: the kept tokens, lambda 1
+    block = wire.decode_block(msg, VOCAB, greedy=True)
+    assert (block.head_kept, block.lam) == (2, 1.0)
+    for field, value, words in (("head_kept", 4, "head_kept 4 exceeds"), ("sprinter_lambda", -1.0, "sprinter_lambda"),
+                                ("sprinter_lambda", math.nan, "sprinter_lambda")):
+        bad = common_pb2.DraftBlock()
+        bad.CopyFrom(msg)
+        setattr(bad, field, value)
+        with pytest.raises(wire.ProtocolError, match=words) as info:
+            wire.decode_block(bad, VOCAB, greedy=True)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    labels = RunLabels(tp=3, fn=1, fp=2, tn=0, r=1, tv_pq_sum=0.1234567891234)
+    sent = common_pb2.SprinterLabels.FromString(wire.encode_labels(labels).SerializeToString())
+    assert wire.decode_labels(sent) == labels and labels.labelled == 6
+
+
 def test_sampling_block_fits_4kb_at_k8_top64():
     dist = drafter_dist()
     msg = wire.encode_block(1, 100, dist.ids[:, 0].tolist(), dist, draft_ms=2.0)

@@ -51,6 +51,7 @@ class JobResult:
     verify_ms: float
     batch_size: int
     error: Optional[BaseException] = None
+    labels: Optional[object] = None  # SPRINTER runs: steerspec.sprinter.labels.RunLabels of the run's tokens
 
 
 class VerifyRunner:

@@ -191,6 +191,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                       batch_size=result.batch_size)
         if result.steering is not None:
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
+        if result.labels is not None:
+            out.sprinter.CopyFrom(wire.encode_labels(result.labels))
         if self._tracer is not None and self._tracing is not None:
             self._record_spans(start_ns, result, block, msg.ByteSize(), msg.traceparent)
         return verifier_pb2.VerifyResponse(result=out)

@@ -17,9 +17,12 @@ from typing import Dict, List, Sequence
 async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds: int, rtts: Sequence[float],
                   thresholds: Sequence[float], max_run: int, k: int, max_new_tokens: int, temperature: float,
                   eos: Sequence[int], sprinter_head=None) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """{f"{rtt:g}": {config: {tokens, verifier_calls, wall_s, tokens_per_s, tokens_per_call, speedup}}}."""
+    """{f"{rtt:g}": {config: {tokens, verifier_calls, wall_s, tokens_per_s, tokens_per_call, speedup}}}; SPRINTER
+    configurations also carry the verifier's labels pooled over their runs (`SprinterTally.theory`: eta_tp,
+    eta_fp, tv_pq, tv_bound, mean_run_length, expected_run_length)."""
     from coordinator.local import LocalCluster
     from steerspec.linkemu import LinkModel
+    from steerspec.sprinter.labels import SprinterTally
 
     configs = {"exact": "exact", **{f"sprinter@{t:g}": f"sprinter:threshold={t:g},max_run={max_run}"
                                     for t in thresholds}}
@@ -32,6 +35,7 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
         for rtt in rtts:
             cluster.set_link(LinkModel(rtt_ms=rtt).validate())
             sums = {name: {"tokens": 0, "verifier_calls": 0, "wall_s": 0.0} for name in configs}
+            tallies: Dict[str, List[SprinterTally]] = {name: [] for name in configs}
             for i, ids in enumerate(prompts):
                 for s in range(seeds):
                     for name, spec in configs.items():
@@ -42,20 +46,27 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
                         row["wall_s"] += time.perf_counter() - start
                         row["tokens"] += result.generated
                         row["verifier_calls"] += result.rounds
+                        if result.sprinter is not None:
+                            tallies[name].append(result.sprinter)
             for row in sums.values():
                 row["tokens_per_s"] = row["tokens"] / row["wall_s"] if row["wall_s"] > 0 else 0.0
                 row["tokens_per_call"] = row["tokens"] / max(1, row["verifier_calls"])
-            for row in sums.values():
+            for name, row in sums.items():
                 row["speedup"] = row["tokens_per_s"] / sums["exact"]["tokens_per_s"]
+                if tallies[name]:
+                    row.update(SprinterTally.pooled(tallies[name], max_run).theory())
             out[f"{rtt:g}"] = sums
     return out
 
 
 def table(rows: Dict[str, Dict[str, Dict[str, float]]]) -> List[str]:
     """Printable lines: one per (RTT, configuration)."""
-    lines = ["rtt_ms | config | tokens | verifier calls | tok/call | tok/s | speedup vs exact"]
+    lines = ["rtt_ms | config | tokens | verifier calls | tok/call | tok/s | speedup vs exact | eta_tp | eta_fp | "
+             "thm1 bound | run length (measured / thm2)"]
     for rtt, configs in rows.items():
         for name, r in configs.items():
+            theory = (f"{r['eta_tp']:.3f} | {r['eta_fp']:.3f} | {r['tv_bound']:.3f} | "
+                      f"{r['mean_run_length']:.2f} / {r['expected_run_length']:.2f}") if "eta_tp" in r else "- | - | - | -"
             lines.append(f"{rtt} | {name} | {r['tokens']} | {r['verifier_calls']} | {r['tokens_per_call']:.2f} | "
-                         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}")
+                         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {theory}")
     return lines

@@ -16,7 +16,7 @@ r on the run's own tokens.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -29,43 +29,46 @@ from steerspec.models.kv import CachedLM, as_cached
 from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
 from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
 from steerspec.sprinter import features as F
-from steerspec.sprinter import theory
 from steerspec.sprinter.head import SprinterHead
+from steerspec.sprinter.labels import SprinterTally, label_run, theory_line
 from steerspec.sprinter.spec import DEFAULT_MAX_RUN
+
+
+def _tallied(name: str) -> property:
+    return property(lambda self: getattr(self.tally, name), doc=f"SprinterTally.{name}")
 
 
 @dataclass
 class SprinterResult(GenerationResult):
-    """A SPRINTER generation: the usual metrics plus what it gave up, always marked lossy."""
+    """A SPRINTER generation: the usual metrics plus what it gave up, always marked lossy.
+
+    The labels and run lengths live in `tally` (steerspec.sprinter.labels.SprinterTally, the one the
+    coordinator keeps for the services); `tp`, `run_lengths`, ... read through to it.
+    """
 
     mode: str = "sprinter"
     threshold: float = 0.5
     max_run: int = DEFAULT_MAX_RUN
     lam: float = 1.0
-    run_lengths: List[int] = field(default_factory=list)  # tokens kept before each verifier call
-    run_r: List[int] = field(default_factory=list)  # per run: acceptable tokens before the first unacceptable
-    tp: int = 0
-    fn: int = 0
-    fp: int = 0
-    tn: int = 0
-    tv_pq_sum: float = 0.0  # Σ d_TV(p, q) over the labelled tokens (Theorem 1's factor)
-    labelled: int = 0
+    tally: Optional[SprinterTally] = None
 
     lossy = True
 
+    def __post_init__(self) -> None:
+        if self.tally is None:
+            self.tally = SprinterTally(max_run=self.max_run)
+
+    tp, fn, fp, tn = _tallied("tp"), _tallied("fn"), _tallied("fp"), _tallied("tn")
+    tv_pq_sum, labelled = _tallied("tv_pq_sum"), _tallied("labelled")
+    run_lengths, run_r = _tallied("run_lengths"), _tallied("run_r")
+
     @property
     def eta(self) -> tuple:
-        return F.rates(self.tp, self.fn, self.fp, self.tn)
+        return self.tally.eta
 
     def theory(self) -> Dict[str, float]:
         """Measured η's, Theorem 1's TV bound and Theorems 2–3's run length beside the measured one."""
-        eta_tp, eta_fp = self.eta
-        tv_pq = self.tv_pq_sum / self.labelled if self.labelled else 0.0
-        mean_run = sum(self.run_lengths) / len(self.run_lengths) if self.run_lengths else 0.0
-        expected = theory.mean_expected_run_length(eta_tp, eta_fp, self.run_r, self.max_run)
-        return {"eta_tp": round(eta_tp, 6), "eta_fp": round(eta_fp, 6), "tv_pq": round(tv_pq, 6),
-                "tv_bound": round(theory.tv_bound(eta_fp, tv_pq), 6),
-                "mean_run_length": round(mean_run, 6), "expected_run_length": round(expected, 6)}
+        return self.tally.theory()
 
     def to_json(self) -> Dict[str, object]:
         payload = super().to_json()
@@ -75,10 +78,8 @@ class SprinterResult(GenerationResult):
         return payload
 
     def summary(self) -> str:
-        t = self.theory()
-        return (super().summary() + f"\nLOSSY (sprinter threshold={self.threshold:g} max_run={self.max_run}): "
-                f"eta_tp={t['eta_tp']:.3f} eta_fp={t['eta_fp']:.3f} tv_bound={t['tv_bound']:.4f} "
-                f"run_length={t['mean_run_length']:.2f} (theorem 2: {t['expected_run_length']:.2f})")
+        return super().summary() + f"\nLOSSY (sprinter threshold={self.threshold:g} max_run={self.max_run}): " + \
+            theory_line(self.theory())
 
 
 class SprinterScorer:
@@ -163,31 +164,6 @@ def verify_run(verifier: CachedLM, pending: int, block: DraftBlock, config: Deco
     return accepted, int(outcome.next_tokens[0]), probs, out.logits, hidden
 
 
-def _label_run(result: SprinterResult, block: DraftBlock, kept: List[bool], probs, logits, vocab: int) -> None:
-    """Label the run's tokens from the verifier's rows and add them to the confusion counts."""
-    j = int(block.tokens.shape[1])
-    if j == 0:
-        return
-    tokens = block.tokens[0].to(logits.device)
-    if probs is None:  # greedy: acceptable means the verifier's argmax
-        label = logits[:j].argmax(-1) == tokens
-        q_dense = torch.nn.functional.one_hot(tokens, vocab).float()
-        p_dense = torch.nn.functional.one_hot(logits[:j].argmax(-1), vocab).float()
-    else:
-        q = block.q.map(lambda t: t[0].to(logits.device))
-        q_x = q.prob_of(tokens)
-        p_x = probs[:j].gather(-1, tokens.view(-1, 1)).squeeze(-1)
-        label = F.acceptable(q_x, p_x.to(q_x.dtype), result.lam)
-        q_dense, p_dense = q.to_dense(vocab).float(), probs[:j].float()
-    predicted = torch.tensor(kept, dtype=torch.bool, device=label.device)
-    tp, fn, fp, tn = F.confusion(predicted, label)
-    result.tp, result.fn, result.fp, result.tn = result.tp + tp, result.fn + fn, result.fp + fp, result.tn + tn
-    result.tv_pq_sum += float(theory.tv_distance(p_dense, q_dense).sum())
-    result.labelled += j
-    bad = (~label).nonzero()
-    result.run_r.append(int(bad[0]) if len(bad) else j)
-
-
 def sprinter_generate(
     verifier,
     drafter,
@@ -220,12 +196,12 @@ def sprinter_generate(
         accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config,
                                                                  g_verify, layers)
         t2 = time.perf_counter()
-        _label_run(result, block, kept, probs, logits, verifier.vocab_size)
+        result.tally.add_labels(label_run(block, kept, probs, logits, verifier.vocab_size, lam))
         kept_runs.append(kept)
         return RoundOut(block, accepted, next_token, hidden, t1 - t0, t2 - t1)
 
     def after_round(stats: BlockStats) -> None:
-        result.run_lengths.append(sum(kept_runs[-1]))
+        result.tally.run_lengths.append(sum(kept_runs[-1]))
 
     run_rounds(verifier, drafter, prompt, config, result, one_round, steering, after_round, tokenizer, on_round)
     return result

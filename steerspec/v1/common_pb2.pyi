@@ -37,7 +37,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent", "kept")
+    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent", "kept", "head_kept", "sprinter_lambda")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class DraftBlock(_message.Message):
     POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_KEPT_FIELD_NUMBER: _ClassVar[int]
+    SPRINTER_LAMBDA_FIELD_NUMBER: _ClassVar[int]
     seq: int
     committed_length: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,10 +56,28 @@ class DraftBlock(_message.Message):
     policy_state: str
     traceparent: str
     kept: int
-    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ...) -> None: ...
+    head_kept: int
+    sprinter_lambda: float
+    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ..., head_kept: _Optional[int] = ..., sprinter_lambda: _Optional[float] = ...) -> None: ...
+
+class SprinterLabels(_message.Message):
+    __slots__ = ("tp", "fn", "fp", "tn", "r", "tv_pq_sum")
+    TP_FIELD_NUMBER: _ClassVar[int]
+    FN_FIELD_NUMBER: _ClassVar[int]
+    FP_FIELD_NUMBER: _ClassVar[int]
+    TN_FIELD_NUMBER: _ClassVar[int]
+    R_FIELD_NUMBER: _ClassVar[int]
+    TV_PQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    tp: int
+    fn: int
+    fp: int
+    tn: int
+    r: int
+    tv_pq_sum: float
+    def __init__(self, tp: _Optional[int] = ..., fn: _Optional[int] = ..., fp: _Optional[int] = ..., tn: _Optional[int] = ..., r: _Optional[int] = ..., tv_pq_sum: _Optional[float] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size")
+    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +87,7 @@ class VerifyResult(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPRINTER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     accepted: int
     next_token: int
@@ -76,7 +97,8 @@ class VerifyResult(_message.Message):
     queue_ms: float
     verify_ms: float
     batch_size: int
-    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    sprinter: SprinterLabels
+    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., sprinter: _Optional[_Union[SprinterLabels, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "seq")

@@ -64,7 +64,7 @@ class StageTimes(_message.Message):
     def __init__(self, draft_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationSummary(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "rounds", "drafted", "accepted", "block_efficiency", "acceptance_rate", "accepted_per_position", "tokens_per_s", "rtt_ms", "bytes_up", "bytes_down", "stage_ms", "wall_s", "finish_reason", "resumes", "trace_id", "lossy", "verification", "draft_compute_ms", "batch_size")
+    __slots__ = ("session_id", "token_ids", "text", "rounds", "drafted", "accepted", "block_efficiency", "acceptance_rate", "accepted_per_position", "tokens_per_s", "rtt_ms", "bytes_up", "bytes_down", "stage_ms", "wall_s", "finish_reason", "resumes", "trace_id", "lossy", "verification", "sprinter", "draft_compute_ms", "batch_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class GenerationSummary(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    SPRINTER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
@@ -107,9 +108,28 @@ class GenerationSummary(_message.Message):
     trace_id: str
     lossy: bool
     verification: str
+    sprinter: SprinterTheory
     draft_compute_ms: float
     batch_size: float
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., block_efficiency: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[float]] = ..., tokens_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bytes_up: _Optional[float] = ..., bytes_down: _Optional[float] = ..., stage_ms: _Optional[_Union[StageTimes, _Mapping]] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., trace_id: _Optional[str] = ..., lossy: _Optional[bool] = ..., verification: _Optional[str] = ..., draft_compute_ms: _Optional[float] = ..., batch_size: _Optional[float] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., block_efficiency: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[float]] = ..., tokens_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bytes_up: _Optional[float] = ..., bytes_down: _Optional[float] = ..., stage_ms: _Optional[_Union[StageTimes, _Mapping]] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., trace_id: _Optional[str] = ..., lossy: _Optional[bool] = ..., verification: _Optional[str] = ..., sprinter: _Optional[_Union[SprinterTheory, _Mapping]] = ..., draft_compute_ms: _Optional[float] = ..., batch_size: _Optional[float] = ...) -> None: ...
+
+class SprinterTheory(_message.Message):
+    __slots__ = ("eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length", "expected_run_length", "labelled")
+    ETA_TP_FIELD_NUMBER: _ClassVar[int]
+    ETA_FP_FIELD_NUMBER: _ClassVar[int]
+    TV_PQ_FIELD_NUMBER: _ClassVar[int]
+    TV_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RUN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_RUN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LABELLED_FIELD_NUMBER: _ClassVar[int]
+    eta_tp: float
+    eta_fp: float
+    tv_pq: float
+    tv_bound: float
+    mean_run_length: float
+    expected_run_length: float
+    labelled: int
+    def __init__(self, eta_tp: _Optional[float] = ..., eta_fp: _Optional[float] = ..., tv_pq: _Optional[float] = ..., tv_bound: _Optional[float] = ..., mean_run_length: _Optional[float] = ..., expected_run_length: _Optional[float] = ..., labelled: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "summary")
