@@ -133,8 +133,9 @@ def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     allow_lossy, the drafter actor drafting runs with the bundled head) gives the in-process tokens."""
     from steerspec.cli import main
 
-    argv = ["run", "def parse(line):", "--max-new-tokens", "16", "--temperature", "1", "--seed", "5",
-            "--threads", "1", "--json", "--verification", "sprinter:threshold=0.4,max_run=6"]
+    argv = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "16",
+            "--temperature", "1", "--seed", "5", "--threads", "1", "--json", "--verification",
+            "sprinter:threshold=0.4,max_run=6"]
     assert main([*argv, "--transport", "grpc", "--deployment", "ray"]) == 0
     on_ray = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main([*argv, "--transport", "inproc"]) == 0
