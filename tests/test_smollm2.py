@@ -156,3 +156,13 @@ def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
     p = verifier_probs(model, [ids], params)[0]
     exact = {i: float(p[i]) for i in torch.nonzero(p > 0).flatten().tolist()}
     assert chi_square_p(counts, exact, n) > P_MIN
+
+
+def test_bundled_drafter_has_its_sprinter_head_by_name():
+    """`--verification sprinter` with the default drafter finds the head shipped beside it."""
+    from steerspec.models.loading import resolve_model_dir
+    from steerspec.sprinter.head import head_dir_for, resolve_head
+
+    assert head_dir_for("smollm2-pretrained") == resolve_model_dir("smollm2-pretrained") / "sprinter"
+    head = resolve_head("smollm2-pretrained")
+    assert head.meta["feature_dim"] == 2 * 576 + 3 and 0.0 < head.default_threshold < 1.0

@@ -199,3 +199,38 @@ async def test_run_ending_on_a_kept_eos_counts_its_length_without_labels(bundled
     assert got.rounds == want.rounds - 1  # the last run needed no verifier call
     assert got.sprinter.run_lengths == want.run_lengths  # ... but its length counts
     assert got.sprinter.run_r == want.run_r[:-1] and got.sprinter.labelled < want.labelled
+
+
+def test_cli_prints_a_server_refusal_as_one_line(tiny_pair, capsys):
+    """A status from the services (here FAILED_PRECONDITION: a coordinator not started with
+    --allow-lossy refuses a sprinter request) is one line on stderr and exit 2, not a traceback."""
+    import asyncio
+    import threading
+
+    from steerspec.cli import main
+
+    verifier_dir, drafter_dir = tiny_pair
+    ready, state = threading.Event(), {"stop": False}
+
+    async def serve() -> None:
+        async with LocalCluster(verifier=str(verifier_dir), drafter=str(drafter_dir), tokenizer=str(verifier_dir),
+                                eos_ids=()) as cluster:
+            state["target"] = cluster.target
+            ready.set()
+            for _ in range(1200):  # bounded: at most 60 s
+                if state["stop"]:
+                    break
+                await asyncio.sleep(0.05)
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    assert ready.wait(120)
+    try:
+        code = main(["run", "def f():", "--coordinator", state["target"], "--max-new-tokens", "4",
+                     "--verification", "sprinter"])
+    finally:
+        state["stop"] = True
+        thread.join(60)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("steerspec: error: FAILED_PRECONDITION:") and "allow-lossy" in err[0]

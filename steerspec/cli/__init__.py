@@ -57,6 +57,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("steerspec: interrupted\n")
         return 130
+    except Exception as exc:  # a server's status (the services path): one line, not a traceback
+        code = _rpc_code(exc)
+        if code is None:
+            raise
+        details = (exc.details() or "").splitlines() or [""]
+        sys.stderr.write(f"steerspec: error: {code.name}: {details[0]}\n")
+        return 2 if code.name in REQUEST_ERRORS else 1
+
+
+# Statuses that say the request itself cannot be served as sent: exit 2, like any bad input.
+REQUEST_ERRORS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE", "NOT_FOUND",
+                            "PERMISSION_DENIED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
+
+
+def _rpc_code(exc: BaseException):
+    """The gRPC status code of a failed call, or None for any other exception."""
+    if "grpc" not in sys.modules:
+        return None
+    import grpc
+
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and hasattr(exc, "details"):
+        return exc.code()
+    return None
 
 
 if __name__ == "__main__":

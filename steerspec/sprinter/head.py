@@ -40,8 +40,16 @@ class SprinterHead(nn.Module):
 
 
 def head_dir_for(drafter_dir: Union[str, Path]) -> Path:
-    """Where a drafter's head lives by default."""
-    return Path(drafter_dir) / HEAD_DIRNAME
+    """Where a drafter's head lives by default: <its directory>/sprinter (a bundled name resolved)."""
+    path = Path(drafter_dir)
+    if not path.exists():
+        from steerspec.models.loading import resolve_model_dir
+
+        try:
+            path = resolve_model_dir(drafter_dir)
+        except UsageError:
+            pass  # the caller's message names the drafter as given
+    return path / HEAD_DIRNAME
 
 
 def save_head(head: SprinterHead, out: Union[str, Path], meta: Dict[str, Any]) -> Path:
