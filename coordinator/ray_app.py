@@ -286,6 +286,11 @@ def placement_options(kind: str, node_id: Optional[str] = None, num_gpus: float 
         options["namespace"] = NAMESPACE
     if detached:
         options["lifetime"] = "detached"
+    from steerspec import security
+
+    env = security.actor_env()
+    if env:  # TLS and tokens reach the actor's servers and channels (merged with the job's env_vars)
+        options["runtime_env"] = {"env_vars": env}
     return options
 
 
@@ -452,6 +457,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="SPRINTER classifier head for the drafters' lossy sessions (default: DRAFTER/sprinter)")
     add_link_arguments(parser)
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
+    from steerspec import security
+
+    security.add_arguments(parser)  # handed to every actor as STEERSPEC_* variables
     args = parser.parse_args(argv)
     from coordinator.cli import policy_defaults
     from steerspec.errors import UsageError
@@ -464,6 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             head = str(Path(args.sprinter_head).resolve())
             load_head(head)
+        security.configure_from_args(args, host=None if args.host == "node" else args.host)
+        security.export_to_env(args)
     except UsageError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     link = link_from_args(args)

@@ -25,7 +25,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
@@ -176,6 +176,25 @@ def client_from_env() -> ClientSecurity:
     ca = _env("ca")
     cert, key = (_env("cert"), _env("key")) if ca else (None, None)
     return client_security(ca, cert, key, _env("token_file"), _env("token"), server_name=_env("server_name"))
+
+
+def actor_env() -> Dict[str, str]:
+    """This process's STEERSPEC_* security variables, for the Ray actors it starts (their servers and
+    channels configure themselves from the environment; the files must exist on their nodes)."""
+    return {var: os.environ[var] for var in ENV.values() if os.environ.get(var)}
+
+
+def export_to_env(args: argparse.Namespace) -> None:
+    """Put the security flags a launcher was given into its environment as STEERSPEC_* variables, so
+    `actor_env()` hands them to the actors it starts (flags win over variables already set)."""
+    flags = {"tls_cert": "cert", "tls_key": "key", "tls_client_ca": "client_ca", "tls_ca": "ca",
+             "auth_tokens": "auth_tokens_file", "token_file": "token_file", "tls_server_name": "server_name"}
+    for flag, name in flags.items():
+        value = getattr(args, flag, None)
+        if value:
+            os.environ[ENV[name]] = str(Path(value).resolve()) if name != "server_name" else str(value)
+    if getattr(args, "insecure", False):
+        os.environ[ENV["insecure"]] = "1"
 
 
 _SERVER: Optional[ServerSecurity] = None

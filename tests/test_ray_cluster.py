@@ -154,3 +154,47 @@ def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no SPRINTER head" in err[0]
+
+
+def test_ray_deployment_serves_tls_and_tokens(ray_cluster, tiny_pair, tmp_path, monkeypatch):
+    """TLS and bearer tokens reach the Ray actors (as STEERSPEC_* variables in their runtime_env): the
+    coordinator actor serves TLS, checks tokens and dials the verifier and drafter actors over TLS with
+    its token; the SDK gets the verifier's greedy output only with the CA and the token."""
+    from pki_helpers import make_pki
+
+    from coordinator.client import Client
+    from coordinator.ray_app import deploy
+    from steerspec import security
+    from steerspec.engine import DecodeConfig, autoregressive_generate
+    from steerspec.models import load_model
+    from steerspec.v1 import verifier_pb2, verifier_pb2_grpc
+
+    token = "ray-test-token"
+    pki = make_pki(tmp_path, token)
+    (tmp_path / "token").write_text(token + "\n")
+    cert, key = pki["server"]
+    for name, value in {"STEERSPEC_TLS_CERT": cert, "STEERSPEC_TLS_KEY": key, "STEERSPEC_TLS_CA": pki["ca"],
+                        "STEERSPEC_AUTH_TOKENS_FILE": pki["tokens"],
+                        "STEERSPEC_TOKEN_FILE": str(tmp_path / "token")}.items():
+        monkeypatch.setenv(name, value)
+    security.reset()
+    verifier_dir, drafter_dir = tiny_pair
+    deployment = deploy(verifier=str(verifier_dir), drafter=str(drafter_dir), drafters=1, num_threads=1, timeout=180)
+    try:
+        prompt = [5, 17, 42, 99, 7]
+        with Client(deployment.coordinator_target, tls_ca=pki["ca"], token=token, retries=1) as client:
+            summary = client.complete(prompt_ids=prompt, max_new_tokens=8, k=4, timeout=120)
+        expected = autoregressive_generate(load_model(verifier_dir), prompt, DecodeConfig(max_new_tokens=8))
+        assert summary.token_ids == expected.token_ids[:len(summary.token_ids)] and summary.drafted > 0
+        with Client(deployment.coordinator_target, tls_ca=pki["ca"], token="wrong", retries=0) as client:
+            with pytest.raises(grpc.RpcError) as bad:
+                client.complete(prompt_ids=prompt, max_new_tokens=4, timeout=60)
+        assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(deployment.verifier_target) as plain:  # the verifier actor is TLS-only
+            stub = verifier_pb2_grpc.VerifierServiceStub(plain)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Verify(iter([verifier_pb2.VerifyRequest()]), timeout=5))
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        deployment.shutdown()
+        security.reset()
