@@ -180,8 +180,10 @@ class CoordinatorServer(_ServerActor):
                  rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0, link_seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
                  trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
-                 heartbeat_ttl_s: float = 5.0, policy: str = "", allow_lossy: bool = False) -> None:
+                 heartbeat_ttl_s: float = 5.0, policy: str = "", allow_lossy: bool = False,
+                 max_sessions_per_identity: int = 0) -> None:
         self.verifiers, self.drafters = list(verifiers), list(drafters)
+        self.max_sessions_per_identity = max_sessions_per_identity  # 0: no per-identity limit
         self.policy = policy
         self.allow_lossy = allow_lossy  # serve lossy verification (sprinter) requests
         self.tokenizer_name = tokenizer
@@ -220,7 +222,8 @@ class CoordinatorServer(_ServerActor):
                                   link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
                                   defaults={"policy": self.policy} if self.policy else None,
-                                  allow_lossy=self.allow_lossy)
+                                  allow_lossy=self.allow_lossy,
+                                  max_sessions_per_identity=self.max_sessions_per_identity)
         self.running = await serve(coordinator, host=host, port=self.port)
         self.coordinator = coordinator
         return self.running.target
@@ -370,6 +373,7 @@ def deploy(
     detached: bool = False,
     policy: str = "",
     allow_lossy: bool = False,
+    max_sessions_per_identity: int = 0,
     timeout: float = 300,
 ) -> Deployment:
     """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
@@ -411,7 +415,7 @@ def deploy(
                      tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
                      bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
                      redis_url=redis_url, trace_file=trace_file, metrics_port=m_port, policy=policy,
-                     allow_lossy=allow_lossy)
+                     allow_lossy=allow_lossy, max_sessions_per_identity=max_sessions_per_identity)
             deployment.coordinators.append(c_actor)
         deployment.coordinator_targets = ray.get([c.start.remote() for c in deployment.coordinators],
                                                  timeout=timeout)
@@ -456,6 +460,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sprinter-head", default=None, metavar="DIR",
                         help="SPRINTER classifier head for the drafters' lossy sessions (default: DRAFTER/sprinter)")
     add_link_arguments(parser)
+    parser.add_argument("--max-sessions-per-identity", type=int, default=0, metavar="N",
+                        help="concurrent generations per caller identity (RESOURCE_EXHAUSTED beyond; 0 = no limit)")
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
     from steerspec import security
 
@@ -472,6 +478,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             head = str(Path(args.sprinter_head).resolve())
             load_head(head)
+        if args.max_sessions_per_identity < 0:
+            raise UsageError(f"--max-sessions-per-identity must be >= 0 (0 = no limit), got "
+                             f"{args.max_sessions_per_identity}")
         security.configure_from_args(args, host=None if args.host == "node" else args.host)
         security.export_to_env(args)
     except UsageError as exc:
@@ -484,7 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
         jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
         device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy,
-        allow_lossy=args.allow_lossy, drafter_options={"sprinter_head": head} if head else None)
+        allow_lossy=args.allow_lossy, drafter_options={"sprinter_head": head} if head else None,
+        max_sessions_per_identity=args.max_sessions_per_identity)
     print(f"verifier    {deployment.verifier_target}", flush=True)
     for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):
         print(f"drafter     {d}\ncoordinator {c}", flush=True)

@@ -156,6 +156,17 @@ def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):
     assert len(err) == 1 and "no SPRINTER head" in err[0]
 
 
+@pytest.mark.parametrize("argv, words", [(["--max-sessions-per-identity", "-1"], "--max-sessions-per-identity"),
+                                         (["--host", "0.0.0.0"], "--insecure")])
+def test_ray_app_refuses_bad_quota_and_plaintext_exposure_before_ray(argv, words, capsys):
+    from coordinator.ray_app import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
 def test_ray_deployment_serves_tls_and_tokens(ray_cluster, tiny_pair, tmp_path, monkeypatch):
     """TLS and bearer tokens reach the Ray actors (as STEERSPEC_* variables in their runtime_env): the
     coordinator actor serves TLS, checks tokens and dials the verifier and drafter actors over TLS with
