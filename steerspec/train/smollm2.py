@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--checkpoint-s", type=float, default=600.0, help="seconds between checkpoints")
     parser.add_argument("--train-chars", type=int, default=12_000_000, help="corpus cap (characters)")
-    parser.add_argument("--synthetic", type=Path, default=None,
-                        help="train on this `steerspec train synth` dataset (answer tokens as targets) instead of the corpus")
+    parser.add_argument("--synthetic", type=Path, action="append", default=None,
+                        help="train on this `steerspec train synth` dataset (answer tokens as targets) instead of the "
+                             "corpus; repeatable (the sets are joined in order)")
     parser.add_argument("--init", default=None,
                         help="start from this reduced drafter (dir or bundled name, e.g. smollm2-pretrained) and its support")
     parser.add_argument("--init-only", action="store_true", help="export the untrained initialisation and stop")
@@ -66,7 +67,8 @@ def flatten_synthetic(data, eos_id: int) -> "tuple[np.ndarray, np.ndarray]":
 
 def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
     if args.synthetic is not None:
-        return (f"# smollm2 distilled drafter\n\nBuilt by `steerspec train smollm2 --synthetic {args.synthetic} "
+        sets = " ".join(f"--synthetic {p}" for p in args.synthetic)
+        return (f"# smollm2 distilled drafter\n\nBuilt by `steerspec train smollm2 {sets} "
                 f"--init {args.init}` for the verifier `smollm2` (SmolLM2-135M-Instruct, Apache-2.0; see NOTICE): "
                 f"the drafter {args.init} (same draft vocabulary) trained on the verifier's own T=1 answers "
                 f"(sequence-level distillation; cross-entropy on answer tokens only): {tokens_seen:,} window tokens, "
@@ -110,8 +112,10 @@ def run(args) -> int:
     if args.synthetic is not None:
         from steerspec.train.synth import load_synthetic
 
-        tokens, target_mask = flatten_synthetic(load_synthetic(args.synthetic), eos[0])
-        log.info("synthetic: %s, %d tokens, %d answer targets", args.synthetic, tokens.size, int(target_mask.sum()))
+        parts = [flatten_synthetic(load_synthetic(path), eos[0]) for path in args.synthetic]
+        tokens, target_mask = np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts])
+        log.info("synthetic: %s, %d tokens, %d answer targets", [str(p) for p in args.synthetic], tokens.size,
+                 int(target_mask.sum()))
     else:
         tokens = np.load(corpus / "train.npy")
     if args.init is not None:
