@@ -109,3 +109,40 @@ def test_training_lowers_the_loss_and_resumes(tiny_verifier, support, tmp_path):
     first = train(drafter, tokens, LoopConfig(**{**cfg.__dict__, "steps": 1}), tmp_path / "w")
     last = train(init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 1]), tokens, cfg, tmp_path / "w")
     assert last["step"] == 30 and last["loss"] < first["loss"]
+
+
+def test_synthetic_answers_flatten_with_a_target_mask_that_skips_prompts():
+    from steerspec.train.smollm2 import flatten_synthetic
+    from steerspec.train.synth import SyntheticSet
+
+    data = SyntheticSet([torch.tensor([7, 8, 9, 10]), torch.tensor([3, 4, 5])], [2, 1], {})
+    tokens, mask = flatten_synthetic(data, eos_id=0)
+    assert tokens.tolist() == [7, 8, 9, 10, 0, 3, 4, 5, 0]
+    assert mask.tolist() == [False, False, True, True, False, False, True, True, False]
+
+
+def test_masked_training_learns_only_the_answers(tiny_verifier, support, tmp_path):
+    import numpy as np
+
+    from steerspec.train.loop import reduced_loss
+
+    # prompts and answers are both fixed patterns: masked training must learn the answers, not the prompts
+    tokens, mask = [], []
+    for _ in range(60):
+        tokens += [np.arange(60, 72, 2), np.arange(10, 26, 2)]
+        mask += [np.zeros(6, bool), np.ones(8, bool)]
+    tokens, mask = np.concatenate(tokens).astype(np.uint16), np.concatenate(mask)
+    cfg = LoopConfig(steps=60, batch_size=8, seq_len=28, lr=1e-2, warmup=2, checkpoint_s=0.0)
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 1])
+    index = support_index(drafter.lm_head.support, VOCAB)
+    batch = torch.from_numpy(tokens[:8 * 14 + 1].astype(np.int64))[None]
+    target = torch.from_numpy(mask[1:8 * 14 + 1])[None]
+    with torch.no_grad():
+        before = float(reduced_loss(drafter, batch, index, target))
+    train(drafter, tokens, cfg, tmp_path / "w", target_mask=mask)
+    with torch.no_grad():
+        after = float(reduced_loss(drafter, batch, index, target))
+        prompts = float(reduced_loss(drafter, batch, index, ~target))
+    assert after < before - 0.5 and after < prompts - 0.5
+    with pytest.raises(ValueError):
+        train(drafter, tokens, cfg, tmp_path / "x", target_mask=mask[:-1])

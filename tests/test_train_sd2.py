@@ -296,3 +296,18 @@ def test_train_sd2_rejects_bad_fixed_delta(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--fixed-delta" in err[0]
+
+
+def test_synth_shards_makes_a_prefix_of_the_full_set_and_extends_it(tmp_path):
+    """`--shards K` writes the first K batches of the --samples prompts; a rerun with more extends the set."""
+    from steerspec.cli import main
+
+    args = ["train", "synth", "--verifier", "verifier", "--out", str(tmp_path), "--samples", "8", "--batch-size", "2",
+            "--max-new-tokens", "3", "--prompt-max", "24", "--seed", "3"]
+    assert main(args + ["--shards", "2"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("shard_*")) == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    first = load_synthetic(tmp_path)
+    assert len(first) == 4
+    assert main(args + ["--shards", "3"]) == 0
+    again = load_synthetic(tmp_path)
+    assert len(again) == 6 and all(torch.equal(a, b) for a, b in zip(first.sequences, again.sequences))

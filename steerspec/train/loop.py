@@ -1,7 +1,8 @@
 """Train a reduced smollm2 drafter on the code corpus: seeded, resumable, tqdm progress, file log.
 
 The objective is next-token cross-entropy over the drafter's support (tokens outside it are
-ignored: the drafter assigns them q = 0 by design). Only the drafter's own decoder layers and
+ignored: the drafter assigns them q = 0 by design), optionally only where a target mask is set
+(distillation on the verifier's answers: prompt tokens give context, not targets). Only the drafter's own decoder layers and
 final norm train; the embedding and head rows stay the verifier's. Checkpoints (own weights,
 optimizer, step) are written atomically every `checkpoint_s` seconds and on exit.
 """
@@ -55,18 +56,31 @@ def support_index(support: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return index
 
 
+def window_starts(size: int, step: int, cfg: LoopConfig) -> np.ndarray:
+    """Deterministic window starts for `step` (same on resume)."""
+    rng = np.random.default_rng([cfg.seed, step])
+    return rng.integers(0, size - cfg.seq_len - 1, size=cfg.batch_size)
+
+
 def batch_at(tokens: np.ndarray, step: int, cfg: LoopConfig) -> torch.Tensor:
     """A deterministic batch of windows for `step` (same on resume): [B, T+1] token ids."""
-    rng = np.random.default_rng([cfg.seed, step])
-    starts = rng.integers(0, tokens.size - cfg.seq_len - 1, size=cfg.batch_size)
+    starts = window_starts(tokens.size, step, cfg)
     return torch.from_numpy(np.stack([tokens[s: s + cfg.seq_len + 1].astype(np.int64) for s in starts]))
 
 
-def reduced_loss(model, batch: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the support for next-token targets in `batch` ([B, T+1])."""
+def mask_at(mask: np.ndarray, step: int, cfg: LoopConfig) -> torch.Tensor:
+    """The target mask of `batch_at`'s windows: [B, T] bools, True where the next token is a target."""
+    starts = window_starts(mask.size, step, cfg)
+    return torch.from_numpy(np.stack([mask[s + 1: s + cfg.seq_len + 1].astype(bool) for s in starts]))
+
+
+def reduced_loss(model, batch: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean cross-entropy over the support for next-token targets in `batch` ([B, T+1]), where `mask` ([B, T]) is set."""
     hidden = model.model(input_ids=batch[:, :-1]).last_hidden_state
     logits = model.lm_head.reduced(hidden)
     targets = index[batch[:, 1:]]
+    if mask is not None:
+        targets = targets.masked_fill(~mask, -100)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
 
 
@@ -78,8 +92,13 @@ def _save(model, optimizer, step: int, cfg: LoopConfig, work: Path) -> None:
 
 
 def train(model, tokens: np.ndarray, cfg: LoopConfig, work: Path, log: Optional[logging.Logger] = None,
-          stop_file: Optional[Path] = None) -> Dict[str, float]:
-    """Run (or resume) training in `work`; returns the last step's figures. A `stop_file` ends it early."""
+          stop_file: Optional[Path] = None, target_mask: Optional[np.ndarray] = None) -> Dict[str, float]:
+    """Run (or resume) training in `work`; returns the last step's figures. A `stop_file` ends it early.
+
+    `target_mask` (same length as `tokens`) keeps only the targets at positions where it is true.
+    """
+    if target_mask is not None and target_mask.shape != tokens.shape:
+        raise ValueError(f"target_mask has shape {target_mask.shape}, tokens {tokens.shape}")
     from tqdm import tqdm
 
     work = Path(work)
@@ -106,7 +125,8 @@ def train(model, tokens: np.ndarray, cfg: LoopConfig, work: Path, log: Optional[
         t0 = time.monotonic()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        loss = reduced_loss(model, batch_at(tokens, step, cfg), index)
+        mask = None if target_mask is None else mask_at(target_mask, step, cfg)
+        loss = reduced_loss(model, batch_at(tokens, step, cfg), index, mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)

@@ -3,6 +3,8 @@
 Steps: convert the verifier (once), tokenise the code corpus into WORK/corpus, pick the draft
 vocabulary (the N most frequent training tokens plus the EOS ids), initialise the drafter from
 verifier layers, train (checkpoints in WORK/train, log in WORK/train.log), export fp16 to OUT.
+With --synthetic DIR (from `steerspec train synth`) and --init DRAFTER it distils instead: it starts
+from that drafter (same draft vocabulary) and trains on the verifier's answers only (prompts give context).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--checkpoint-s", type=float, default=600.0, help="seconds between checkpoints")
     parser.add_argument("--train-chars", type=int, default=12_000_000, help="corpus cap (characters)")
+    parser.add_argument("--synthetic", type=Path, action="append", default=None,
+                        help="train on this `steerspec train synth` dataset (answer tokens as targets) instead of the "
+                             "corpus; repeatable (the sets are joined in order)")
+    parser.add_argument("--init", default=None,
+                        help="start from this reduced drafter (dir or bundled name, e.g. smollm2-pretrained) and its support")
     parser.add_argument("--init-only", action="store_true", help="export the untrained initialisation and stop")
     parser.add_argument("--export-only", action="store_true",
                         help="export WORK/train's latest checkpoint without training (safe while training runs)")
@@ -48,7 +55,24 @@ def choose_support(tokens: np.ndarray, size: int, vocab_size: int, always=()) ->
     return torch.from_numpy(np.sort(order)).to(torch.long)
 
 
+def flatten_synthetic(data, eos_id: int) -> "tuple[np.ndarray, np.ndarray]":
+    """Sequences joined by `eos_id` into one token array, and a mask that is true on answer tokens only."""
+    tokens, mask = [], []
+    for seq, plen in zip(data.sequences, data.prompt_lens):
+        ids = np.asarray(seq, dtype=np.int64)
+        tokens += [ids, np.asarray([eos_id])]
+        mask += [np.arange(ids.size) >= plen, np.zeros(1, dtype=bool)]
+    return np.concatenate(tokens).astype(np.uint16), np.concatenate(mask)
+
+
 def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
+    if args.synthetic is not None:
+        sets = " ".join(f"--synthetic {p}" for p in args.synthetic)
+        return (f"# smollm2 distilled drafter\n\nBuilt by `steerspec train smollm2 {sets} "
+                f"--init {args.init}` for the verifier `smollm2` (SmolLM2-135M-Instruct, Apache-2.0; see NOTICE): "
+                f"the drafter {args.init} (same draft vocabulary) trained on the verifier's own T=1 answers "
+                f"(sequence-level distillation; cross-entropy on answer tokens only): {tokens_seen:,} window tokens, "
+                f"{seconds / 60:.0f} min, seed {args.seed}, lr {args.lr}, last figures {json.dumps(figures)}.\n")
     return (f"# smollm2 reduced drafter\n\nBuilt by `steerspec train smollm2` for the verifier `smollm2` "
             f"(SmolLM2-135M-Instruct, Apache-2.0; see NOTICE). {len(args.init_layers.split(','))} decoder layers "
             f"initialised from verifier layers {args.init_layers}; input embedding and head rows are read from "
@@ -81,18 +105,32 @@ def run(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(vdir))
     eos = smollm2.eos_ids(tokenizer)
     corpus = work / "corpus"
-    if not (corpus / "train.npy").is_file():
+    if args.synthetic is None and not (corpus / "train.npy").is_file():
         log.info("corpus: %s", json.dumps(build_token_arrays(tokenizer, corpus, seed=args.seed,
                                                              max_train_chars=args.train_chars, eos_id=eos[0])))
-    tokens = np.load(corpus / "train.npy")
-    vocab = json.loads((vdir / "config.json").read_text())["vocab_size"]
-    support_file = work / f"support-{args.support}.npy"
-    if support_file.is_file():
-        support = torch.from_numpy(np.load(support_file)).to(torch.long)
+    target_mask = None
+    if args.synthetic is not None:
+        from steerspec.train.synth import load_synthetic
+
+        parts = [flatten_synthetic(load_synthetic(path), eos[0]) for path in args.synthetic]
+        tokens, target_mask = np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts])
+        log.info("synthetic: %s, %d tokens, %d answer targets", [str(p) for p in args.synthetic], tokens.size,
+                 int(target_mask.sum()))
     else:
-        support = choose_support(tokens, args.support, vocab, always=eos)
-        np.save(support_file, support.numpy())
-    model = reduced.init_from_verifier(vdir, smollm2.NAME, support, init_layers)
+        tokens = np.load(corpus / "train.npy")
+    if args.init is not None:
+        from steerspec.models.loading import resolve_model_dir
+
+        model = reduced.load_reduced(resolve_model_dir(args.init), verifier_dir=vdir)
+    else:
+        vocab = json.loads((vdir / "config.json").read_text())["vocab_size"]
+        support_file = work / f"support-{args.support}.npy"
+        if support_file.is_file():
+            support = torch.from_numpy(np.load(support_file)).to(torch.long)
+        else:
+            support = choose_support(tokens, args.support, vocab, always=eos)
+            np.save(support_file, support.numpy())
+        model = reduced.init_from_verifier(vdir, smollm2.NAME, support, init_layers)
     cfg = LoopConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                      checkpoint_s=args.checkpoint_s)
     started = time.monotonic()
@@ -105,7 +143,7 @@ def run(args) -> int:
         figures = {"step": int(state["step"])}
         args.lr = state["config"]["lr"]
     elif not args.init_only:
-        figures = train(model, tokens, cfg, work / "train", log=log, stop_file=work / "STOP")
+        figures = train(model, tokens, cfg, work / "train", log=log, stop_file=work / "STOP", target_mask=target_mask)
     steps_done = int(figures.get("step", 0))
     card = model_card(args, figures, time.monotonic() - started, steps_done * cfg.batch_size * cfg.seq_len)
     reduced.save_drafter(model, args.out, card=card)

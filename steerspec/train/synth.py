@@ -208,6 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="start over even if shards exist")
+    parser.add_argument("--shards", type=int, default=None,
+                        help="make only the first SHARDS batches of the --samples prompts (rerun with more to extend)")
 
 
 def run(args) -> int:
@@ -243,12 +245,16 @@ def run(args) -> int:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     prompts = corpus_prompts(tok, args.samples, args.prompt_min, args.prompt_max, seed=args.seed)
     shards = [(i, prompts[s : s + args.batch_size]) for i, s in enumerate(range(0, len(prompts), args.batch_size))]
+    if args.shards is not None:
+        if args.shards < 1:
+            raise UsageError("--shards must be at least 1")
+        shards = shards[: args.shards]
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     from steerspec.train._common import progress
 
     done = [i for i, _ in shards if (out / f"shard_{i:05d}.safetensors").is_file()]
-    bar = progress(total=len(prompts), initial=sum(len(shards[i][1]) for i in done), desc="synth")
+    bar = progress(total=sum(len(b) for _, b in shards), initial=sum(len(shards[i][1]) for i in done), desc="synth")
     start = time.time()
     new_tokens = 0
     for index, batch in shards:
