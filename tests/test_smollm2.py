@@ -166,3 +166,17 @@ def test_bundled_drafter_has_its_sprinter_head_by_name():
     assert head_dir_for("smollm2-pretrained") == resolve_model_dir("smollm2-pretrained") / "sprinter"
     head = resolve_head("smollm2-pretrained")
     assert head.meta["feature_dim"] == 2 * 576 + 3 and 0.0 < head.default_threshold < 1.0
+
+
+@pytest.mark.parametrize("policy", ["specdecpp", "pacer"])
+def test_trained_policies_find_the_bundled_heads_and_stay_exact(real, capsys, policy):
+    """`steerspec run --policy specdecpp|pacer` in process: the heads beside smollm2-pretrained load by
+    the drafter's name, and greedy output equals the verifier alone."""
+    from steerspec.cli import main
+
+    base = ["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1", "--json"]
+    assert main([*base, "--mode", "autoregressive"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*base, "--policy", policy]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == alone["token_ids"] and spec["drafted"] > 0
