@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 import json
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from steerspec.errors import UsageError
 from steerspec.linkemu import add_link_arguments, link_from_args
@@ -243,25 +243,14 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
-def _drafter_dir(args: argparse.Namespace) -> Optional[str]:
-    """The drafter's directory (a bundled name resolved), where trained policies find their heads."""
-    from steerspec.models.loading import resolve_model_dir
-
-    if getattr(args, "mode", "speculative") != "speculative" or not getattr(args, "drafter", None):
-        return None
-    try:
-        return str(resolve_model_dir(args.drafter))
-    except UsageError:
-        return None  # the model loader reports a bad --drafter with its own line
-
-
 def policy_from_args(args: argparse.Namespace):
     """The draft-length policy --policy names (fixed with --k when absent); UsageError lists the known ones."""
     from steerspec.policies import PolicyContext, PolicyError, make_policy
 
     spec = getattr(args, "policy", None) or f"fixed:k={args.k}"
     try:
-        policy = make_policy(spec, PolicyContext(drafter_dir=_drafter_dir(args)))  # trained heads sit beside it
+        drafter = args.drafter if getattr(args, "mode", "speculative") == "speculative" else None
+        policy = make_policy(spec, PolicyContext(drafter_dir=drafter))  # trained heads sit beside the drafter
     except PolicyError as exc:
         raise UsageError(f"--policy: {exc}") from None
     if getattr(args, "policy", None):

@@ -27,6 +27,18 @@ def bundled_models() -> Dict[str, Path]:
     return {n: MODELS_DIR / n for n in BUNDLED_NAMES if (MODELS_DIR / n / "config.json").is_file()}
 
 
+def model_dir_of(name_or_dir: Union[str, Path]) -> Path:
+    """A bundled drafter's directory from its name, else the path as given (never an error): where the
+    heads trained for it (policy_heads/, sprinter/) sit. The caller's own message names a bad one."""
+    path = Path(name_or_dir)
+    if path.exists():
+        return path
+    try:
+        return resolve_model_dir(name_or_dir)
+    except UsageError:
+        return path
+
+
 def resolve_model_dir(name_or_dir: Union[str, Path]) -> Path:
     """A bundled name or a local checkpoint directory -> its directory; UsageError otherwise."""
     text = str(name_or_dir).strip()

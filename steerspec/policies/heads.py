@@ -59,11 +59,14 @@ KINDS = {"specdecpp": SpecDecHead, "pacer": PacerLayer}
 
 
 def head_path(kind: str, drafter_dir: Optional[str]) -> Path:
-    """Where a drafter's head of this kind lives: <drafter_dir>/policy_heads/<kind>.safetensors."""
+    """Where a drafter's head of this kind lives: <drafter_dir>/policy_heads/<kind>.safetensors (a bundled
+    drafter's name resolved to its directory)."""
+    from steerspec.models.loading import model_dir_of
+
     if not drafter_dir:
         raise FileNotFoundError(f"{kind} needs a trained head: give head=PATH or a drafter directory "
                                 f"(train one with `steerspec train {kind}`)")
-    return Path(drafter_dir) / HEADS_DIR / f"{kind}.safetensors"
+    return model_dir_of(drafter_dir) / HEADS_DIR / f"{kind}.safetensors"
 
 
 def save_head(path: os.PathLike, kind: str, module: nn.Module, config: Dict[str, Any], meta: Dict[str, Any]) -> None:

@@ -41,15 +41,9 @@ class SprinterHead(nn.Module):
 
 def head_dir_for(drafter_dir: Union[str, Path]) -> Path:
     """Where a drafter's head lives by default: <its directory>/sprinter (a bundled name resolved)."""
-    path = Path(drafter_dir)
-    if not path.exists():
-        from steerspec.models.loading import resolve_model_dir
+    from steerspec.models.loading import model_dir_of
 
-        try:
-            path = resolve_model_dir(drafter_dir)
-        except UsageError:
-            pass  # the caller's message names the drafter as given
-    return path / HEAD_DIRNAME
+    return model_dir_of(drafter_dir) / HEAD_DIRNAME
 
 
 def save_head(head: SprinterHead, out: Union[str, Path], meta: Dict[str, Any]) -> Path:
