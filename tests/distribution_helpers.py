@@ -68,3 +68,24 @@ def sample_tokens(v, d, ids, config, k, g_draft, g_verify, accepted_counts, n_to
     v.rollback(base)
     d.rollback(min(d.length, len(ids) - 1))
     return tuple(committed[len(ids):len(ids) + n_tokens])
+
+
+def first_two_p_values(verifier, ids, params: SamplingParams, counts: Counter, n: int) -> tuple:
+    """Chi-square p-values of sampled first-two-token pairs: the first token's marginal against the
+    verifier's exact p(x1), and the pairs against p(x1) p(x2 | x1) (one batched pass for x2)."""
+    p1 = verifier_probs(verifier, [ids], params)[0]
+    firsts = sorted(set(torch.nonzero(p1 * n >= 0.5).flatten().tolist()) | {a for a, _ in counts})
+    p2 = verifier_probs(verifier, [ids + [a] for a in firsts], params)
+    joint = {}
+    for row, a in enumerate(firsts):
+        pa = p1[a] * p2[row]
+        for b in torch.nonzero(pa * n >= 1e-3).flatten().tolist():
+            joint[(a, b)] = float(pa[b])
+        for pair in counts:
+            if pair[0] == a and pair not in joint:
+                joint[pair] = float(pa[pair[1]])
+    first_counts: Counter = Counter()
+    for (a, _), c in counts.items():
+        first_counts[a] += c
+    marginal = {i: float(p1[i]) for i in torch.nonzero(p1 > 0).flatten().tolist()}
+    return chi_square_p(first_counts, marginal, n), chi_square_p(counts, joint, n)

@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 import pytest
 import torch
-from distribution_helpers import P_MIN, chi_square_p, pick_prompt, verifier_probs
+from distribution_helpers import P_MIN, first_two_p_values, pick_prompt
 
 from steerspec.engine import DecodeConfig, draft_block, make_generators, prefill, verify_block
 from steerspec.models import cached_lm
@@ -83,22 +83,7 @@ def run(pair, spec: str, seed: int, accept_all: bool = False):
 def p_values(pair, counts: Counter) -> Tuple[float, float]:
     """Chi-square p of the first token's marginal and of the first two tokens' joint distribution."""
     verifier, _, _, ids, _, _ = pair
-    p1 = verifier_probs(verifier, [ids], PARAMS)[0]
-    firsts = sorted({a for a, _ in counts} | set(torch.nonzero(p1 * N_SAMPLES >= 0.5).flatten().tolist()))
-    p2 = verifier_probs(verifier, [ids + [a] for a in firsts], PARAMS)
-    joint = {}
-    for row, a in enumerate(firsts):
-        pa = p1[a] * p2[row]
-        for b in torch.nonzero(pa * N_SAMPLES >= 1e-3).flatten().tolist():
-            joint[(a, b)] = float(pa[b])
-        for pair_ in counts:
-            if pair_[0] == a and pair_ not in joint:
-                joint[pair_] = float(pa[pair_[1]])
-    first: Counter = Counter()
-    for (a, _), c in counts.items():
-        first[a] += c
-    marginal = {i: float(p1[i]) for i in torch.nonzero(p1 > 0).flatten().tolist()}
-    return chi_square_p(first, marginal, N_SAMPLES), chi_square_p(counts, joint, N_SAMPLES)
+    return first_two_p_values(verifier, ids, PARAMS, counts, N_SAMPLES)
 
 
 @pytest.mark.parametrize("spec, seed", [("gammatune:k=3,gmax=8", 11), ("gammatune+:k=3,gmax=8,tau=0.3", 12),

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_tokens, verifier_probs
+from distribution_helpers import P_MIN, first_two_p_values, pick_prompt, sample_tokens
 
 from steerspec.engine import DecodeConfig, make_generators, prefill
 from steerspec.models import cached_lm
@@ -34,21 +33,6 @@ def test_first_two_tokens_match_verifier_sampling(loaded_pair, eval_prompts):
         counts[sample_tokens(v, d, ids, config, 3, g_draft, g_verify, accepted_counts)] += 1
     blocks = sum(accepted_counts.values())
     assert accepted_counts[0] > 0.05 * blocks and blocks - accepted_counts[0] > 0.05 * blocks, accepted_counts
-    # exact p(x1) and p(x2 | x1) for every first token that matters, in one batched pass
-    p1 = verifier_probs(verifier, [ids], params)[0]
-    firsts = sorted(set(torch.nonzero(p1 * n >= 0.5).flatten().tolist()) | {a for a, _ in counts})
-    p2 = verifier_probs(verifier, [ids + [a] for a in firsts], params)
-    joint = {}
-    for row, a in enumerate(firsts):
-        pa = p1[a] * p2[row]
-        for b in torch.nonzero(pa * n >= 1e-3).flatten().tolist():
-            joint[(a, b)] = float(pa[b])
-        for pair in counts:
-            if pair[0] == a and pair not in joint:
-                joint[pair] = float(pa[pair[1]])
-    first_counts: Counter = Counter()
-    for (a, _), c in counts.items():
-        first_counts[a] += c
-    marginal = {i: float(p1[i]) for i in torch.nonzero(p1 > 0).flatten().tolist()}
-    assert chi_square_p(first_counts, marginal, n) > P_MIN
-    assert chi_square_p(counts, joint, n) > P_MIN
+    p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
+    assert p_first > P_MIN
+    assert p_joint > P_MIN
