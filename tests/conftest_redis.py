@@ -96,3 +96,13 @@ class RedisProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_proc():
+    """A started RedisProcess of this test alone (kill and restart it freely); removed afterwards."""
+    r = RedisProcess()
+    r.start()
+    yield r
+    r.kill()
+    shutil.rmtree(r.dir, ignore_errors=True)

@@ -9,12 +9,10 @@ checkpoint (731 tokens stored for a 400-token generation); killing Redis ended c
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import grpc
 import pytest
 
-from conftest_redis import RedisProcess
 from coord_helpers import greedy_reference
 from coordinator.client import Client
 from coordinator.local import LocalCluster
@@ -31,15 +29,6 @@ def _reset_security():
     security.reset()
     yield
     security.reset()
-
-
-@pytest.fixture
-def redis_proc():
-    r = RedisProcess()
-    r.start()
-    yield r
-    r.kill()
-    shutil.rmtree(r.dir, ignore_errors=True)
 
 
 async def test_a_session_belongs_to_its_creator(tiny_pair):

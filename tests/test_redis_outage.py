@@ -24,16 +24,6 @@ NEW_TOKENS = 40
 
 
 @pytest.fixture
-def redis_proc():
-    from conftest_redis import RedisProcess
-
-    r = RedisProcess()
-    r.start()
-    yield r
-    r.kill()
-
-
-@pytest.fixture
 def metrics():
     calls = service_metrics.CallMetrics("coordinator")
     service_metrics.install(calls)
