@@ -72,13 +72,17 @@ class SprinterTally:
     run_lengths: List[int] = field(default_factory=list)  # tokens the classifier kept, per run
     run_r: List[int] = field(default_factory=list)  # per labelled run: acceptable tokens before the first unacceptable
 
+    def _add_counts(self, other) -> None:
+        """Add another record's confusion counts, Σ d_TV and labelled total (a RunLabels or a tally)."""
+        self.tp, self.fn, self.fp, self.tn = (self.tp + other.tp, self.fn + other.fn, self.fp + other.fp,
+                                              self.tn + other.tn)
+        self.tv_pq_sum += other.tv_pq_sum
+        self.labelled += other.labelled
+
     def add_labels(self, labels: Optional[RunLabels]) -> None:
         if labels is None:
             return
-        self.tp, self.fn, self.fp, self.tn = (self.tp + labels.tp, self.fn + labels.fn, self.fp + labels.fp,
-                                              self.tn + labels.tn)
-        self.tv_pq_sum += labels.tv_pq_sum
-        self.labelled += labels.labelled
+        self._add_counts(labels)
         self.run_r.append(labels.r)
 
     @classmethod
@@ -86,9 +90,7 @@ class SprinterTally:
         """One tally over several generations' runs (their counts summed, their runs in order)."""
         out = cls(max_run=max_run)
         for t in tallies:
-            out.tp, out.fn, out.fp, out.tn = out.tp + t.tp, out.fn + t.fn, out.fp + t.fp, out.tn + t.tn
-            out.tv_pq_sum += t.tv_pq_sum
-            out.labelled += t.labelled
+            out._add_counts(t)
             out.run_lengths.extend(t.run_lengths)
             out.run_r.extend(t.run_r)
         return out
