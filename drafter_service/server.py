@@ -249,7 +249,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         verify_ms, queue_ms, network_ms = float(result.verify_ms), float(result.queue_ms), float(msg.network_ms)
         timing = BlockFeedback(int(result.accepted), len(session.proposal.draft_ids), draft_ms=float(msg.draft_ms),
                                verify_ms=verify_ms, queue_ms=queue_ms, network_ms=network_ms,
-                               overhead_ms=max(0.0, away_ms - verify_ms - queue_ms - network_ms))
+                               overhead_ms=rounds.overhead_ms(away_ms, 0.0, network_ms, queue_ms, verify_ms))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing)
         if not msg.want_block:
             return None
