@@ -272,7 +272,7 @@ def test_first_block_at_inference_equals_training_steering(tmp_path):
         hs = verifier(input_ids=seq, output_hidden_states=True).hidden_states
         source, steered = steering_sources(torch.tensor([P]), seq.shape[1], delta=k)
         with attach_steering(drafter, weights.drafter) as hooks:
-            hooks.set_vector(gather_steering(head, hs, source), steered)
+            hooks.set_vector(gather_steering(head, head.gather(hs), source), steered)
             train_logits = drafter(input_ids=seq).logits[0, P - 1 :]
             g0 = head(head.gather(hs)[:, P - 2])  # verifier position P-2 (prefill of prompt[:-1])
             hooks.set_vector(g0, steer_prefix=False)

@@ -72,7 +72,7 @@ def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], pro
     out = verifier_model(input_ids=ids, output_hidden_states=steering is not None)
     if steering is not None:
         source, steered = steering_sources(torch.tensor([prompt_len]), ids.shape[1], delta)
-        steering.hooks.set_vector(gather_steering(steering.head, out.hidden_states, source), steered)
+        steering.hooks.set_vector(gather_steering(steering.head, steering.head.gather(out.hidden_states), source), steered)
     try:
         q_logits = drafter(input_ids=ids).logits
     finally:

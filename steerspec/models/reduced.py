@@ -148,3 +148,11 @@ def load_reduced(path: Path, dtype: torch.dtype = torch.float32, verifier_dir: O
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model
+
+
+def freeze_shared(model) -> None:
+    """Keep the tables a reduced drafter reads from its verifier frozen (no-op for other models):
+    they are not saved with it, so training them would be lost."""
+    if isinstance(getattr(model, "lm_head", None), ReducedHead):
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.lm_head.weight.requires_grad_(False)

@@ -2,7 +2,9 @@
 
 Loss: forward KL(p_V ‖ q_D) per token, summed over the vocabulary and averaged over answer tokens
 (prompt positions carry no loss), with the verifier's logits computed on the fly (verifier
-frozen). AdamW, linear warm-up + cosine decay, gradient clipping; seeded; resumable from
+frozen), or read from the top-K cache `train synth --teacher-top-k` stored (the verifier is then
+not loaded at all). A drafter with a reduced vocabulary is fitted on its support: tokens it
+cannot propose carry no loss, so it learns p renormalised over its support. AdamW, linear warm-up + cosine decay, gradient clipping; seeded; resumable from
 OUT/checkpoint.pt. This module also holds the training loop `steerspec train sd2` reuses with
 steering switched on.
 """
@@ -55,20 +57,45 @@ class DrafterBundle(nn.Module):
 # ---------------------------------------------------------------------------------------- math
 
 
-def forward_kl(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """Mean over masked positions of KL(p ‖ q) summed over the vocabulary; also mean Σ min(p, q).
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1.0)
 
-    Σ_v min(p, q) = 1 − TV(p, q) is the expected acceptance of a draft token from q under p.
+
+def forward_kl(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """Mean over masked positions of KL(p ‖ q) summed over q's support; also mean Σ min(p, q).
+
+    Σ_v min(p, q) = 1 − TV(p, q) is the expected acceptance of a draft token from q under p. Tokens
+    a reduced-vocabulary drafter masks out (q = 0) are left out of the KL, which would be infinite.
     """
+    from steerspec.models.reduced import MASKED_LOGIT
+
     logp = F.log_softmax(p_logits.float(), dim=-1)
     logq = F.log_softmax(q_logits.float(), dim=-1)
     p = logp.exp()
-    kl = (p * (logp - logq)).sum(-1)
-    m = mask.to(kl.dtype)
-    denom = m.sum().clamp(min=1.0)
+    kl = (p * (logp - logq)).masked_fill(q_logits <= MASKED_LOGIT / 2, 0.0).sum(-1)
     with torch.no_grad():
-        overlap = (torch.minimum(p, logq.exp()).sum(-1) * m).sum() / denom
-    return (kl * m).sum() / denom, overlap
+        overlap = _masked_mean(torch.minimum(p, logq.exp()).sum(-1), mask)
+    return _masked_mean(kl, mask), overlap
+
+
+def top_k_kl(top_ids: Tensor, top_logp: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """`forward_kl` with p known only on its top-K tokens (ids [B, T, K], log-probs [B, T, K]).
+
+    The KL and Σ min(p, q) are summed over those K tokens (the rest of p's mass, a few percent on
+    code, carries no loss); both equal `forward_kl`'s when K covers the vocabulary.
+    """
+    from steerspec.models.reduced import MASKED_LOGIT
+
+    logq_all = F.log_softmax(q_logits.float(), dim=-1)
+    ids = top_ids.long()
+    logq = logq_all.gather(-1, ids)
+    logp = top_logp.float()
+    p = logp.exp()
+    kl = (p * (logp - logq)).masked_fill(q_logits.gather(-1, ids) <= MASKED_LOGIT / 2, 0.0).sum(-1)
+    with torch.no_grad():
+        overlap = _masked_mean(torch.minimum(p, logq.exp()).sum(-1), mask)
+    return _masked_mean(kl, mask), overlap
 
 
 def pad_batch(sequences: List[Tensor], pad_id: int) -> Tuple[Tensor, Tensor]:
@@ -126,10 +153,10 @@ def block_steering_sources(prompt_lens: Tensor, width: int, k: int, accept: floa
     return source, steered
 
 
-def gather_steering(head, hidden_states, source: Tensor) -> Tensor:
-    """g [B, T, d_V] from the verifier's hidden states at the `source` positions (−1 = zeros)."""
+def gather_steering(head, features: Tensor, source: Tensor) -> Tensor:
+    """g [B, T, d_V] from the steering features [B, T, 3·d_V] at the `source` positions (−1 = zeros)."""
     with torch.no_grad():
-        features = head.gather(hidden_states).float()  # [B, T, 3·d_V]
+        features = features.float()
         batch, width, dim = features.shape
         features = torch.cat([features, features.new_zeros(batch, 1, dim)], dim=1)
         index = torch.where(source < 0, torch.full_like(source, width), source)
@@ -208,19 +235,62 @@ def training_sources(step: int, cfg: TrainConfig) -> Sources:
     return partial(block_steering_sources, k=cfg.k, accept=cfg.block_accept, rng=_step_rng(cfg.seed, step))
 
 
-def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tensor, lengths: Tensor,
-               sources: Sources, bf16: bool = False) -> Tuple[Tensor, Tensor]:
+@dataclass
+class Batch:
+    """Right-padded rows [B, T] and, when the data caches the verifier, its outputs laid out on them:
+    top-K ids/log-probs at the positions that predict answer tokens, steering taps [B, T, 3·d_V]."""
+
+    ids: Tensor
+    lengths: Tensor
+    plens: Tensor
+    top_ids: Optional[Tensor] = None
+    top_logp: Optional[Tensor] = None
+    features: Optional[Tensor] = None
+
+
+def make_batch(data: SyntheticSet, rows: List[int], pad_id: int, cached: bool = True) -> Batch:
+    """The batch of `rows`; with `cached` (and a cache in `data`) the verifier's cached outputs too."""
+    ids, lengths = pad_batch([data.sequences[i] for i in rows], pad_id)
+    plens = torch.tensor([data.prompt_lens[i] for i in rows])
+    batch = Batch(ids, lengths, plens)
+    if not cached or data.teacher is None:
+        return batch
+    width, recs = ids.shape[1], [data.teacher[i] for i in rows]
+    k = recs[0].top_ids.shape[1]
+    batch.top_ids = torch.zeros(len(rows), width, k, dtype=torch.long)
+    batch.top_logp = torch.zeros(len(rows), width, k)
+    taps = recs[0].taps
+    if taps is not None:
+        batch.features = torch.zeros(len(rows), width, taps.shape[1] * taps.shape[2])
+    for b, (rec, plen) in enumerate(zip(recs, plens.tolist())):
+        n = rec.top_ids.shape[0]
+        batch.top_ids[b, plen - 1 : plen - 1 + n] = rec.top_ids.long()
+        batch.top_logp[b, plen - 1 : plen - 1 + n] = rec.top_logp.float()
+        if batch.features is not None:
+            flat = rec.taps.float().flatten(1)  # rows for positions P−2 .. P−2+n
+            start = plen - 2
+            batch.features[b, max(start, 0) : start + n + 1] = flat[max(0, -start):]
+    return batch
+
+
+def batch_loss(bundle: DrafterBundle, hooks, verifier, batch: Batch, sources: Sources,
+               bf16: bool = False) -> Tuple[Tensor, Tensor]:
     """Forward KL on one batch (and the mean overlap Σ min(p, q)); steering when the bundle has it,
-    with `sources(prompt_lens, width)` naming the verifier position that steers each position."""
+    with `sources(prompt_lens, width)` naming the verifier position that steers each position. The
+    verifier runs only when the batch carries no cached outputs."""
+    ids, plens = batch.ids, batch.plens
     width = ids.shape[1]
-    mask = answer_mask(plens, lengths, width)
+    mask = answer_mask(plens, batch.lengths, width)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    with torch.no_grad(), autocast:
-        vout = verifier(input_ids=ids, output_hidden_states=bundle.steered)
-    v_logits = vout.logits
+    features = batch.features
+    if batch.top_ids is None:
+        with torch.no_grad(), autocast:
+            vout = verifier(input_ids=ids, output_hidden_states=bundle.steered)
+        if bundle.steered:
+            features = bundle.head.gather(vout.hidden_states)
     if bundle.steered:
         source, steered = sources(plens, width)
-        g = gather_steering(bundle.head, vout.hidden_states, source)
+        g = gather_steering(bundle.head, features, source)
         hooks.set_vector(g, steered)
     try:
         with autocast:
@@ -228,7 +298,9 @@ def batch_loss(bundle: DrafterBundle, hooks, verifier, ids: Tensor, plens: Tenso
     finally:
         if hooks is not None:
             hooks.clear()
-    return forward_kl(v_logits, d_logits, mask)
+    if batch.top_ids is None:
+        return forward_kl(vout.logits, d_logits, mask)
+    return top_k_kl(batch.top_ids, batch.top_logp, d_logits, mask)
 
 
 @torch.no_grad()
@@ -244,10 +316,8 @@ def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: Tr
         if b >= max_batches:
             break
         rows = list(range(start, min(n, start + cfg.batch_size)))
-        ids, lengths = pad_batch([data.sequences[i] for i in rows], pad_id)
-        plens = torch.tensor([data.prompt_lens[i] for i in rows])
         delta = cfg.fixed_delta if cfg.fixed_delta is not None else (b % cfg.k) + 1
-        kl, ov = batch_loss(bundle, hooks, verifier, ids, plens, lengths,
+        kl, ov = batch_loss(bundle, hooks, verifier, make_batch(data, rows, pad_id),
                             partial(steering_sources, delta=delta), bf16=cfg.bf16)
         total_kl += float(kl)
         total_ov += float(ov)
@@ -261,9 +331,21 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
     """The whole loop: returns a report dict (losses, times); `out/checkpoint.pt` makes it resumable."""
     from steerspec.steering.drafter import SteeringHooks
 
+    from steerspec.models.reduced import freeze_shared
+
     common.seed_everything(cfg.seed)
-    verifier.eval().requires_grad_(False)
+    if data.teacher is None and verifier is None:
+        raise UsageError("the synthetic data caches no verifier outputs, so training needs the verifier")
+    if data.teacher is not None and bundle.steered:
+        if data.tap_layers is None or data.teacher[0].taps is None:
+            raise UsageError("the synthetic data caches no steering taps: regenerate it with --teacher-top-k")
+        if tuple(data.tap_layers) != tuple(bundle.head.layers):
+            raise UsageError(f"the data cached verifier layers {list(data.tap_layers)} but the steering head reads "
+                             f"{list(bundle.head.layers)}: pass --steer-layers {','.join(map(str, data.tap_layers))}")
+    if verifier is not None:
+        verifier.eval().requires_grad_(False)
     bundle.drafter.requires_grad_(True)
+    freeze_shared(bundle.drafter)
     bundle.train()
     hooks = SteeringHooks(bundle.drafter, bundle.steering) if bundle.steered else None
     train_set, val_set = data.split(cfg.val_fraction, cfg.seed)
@@ -324,9 +406,8 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
         for group, base in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base * scale
         rows = _batch_indices(len(train_set), cfg.batch_size, step, cfg.seed)
-        ids, lengths = pad_batch([train_set.sequences[i] for i in rows], pad_id)
-        plens = torch.tensor([train_set.prompt_lens[i] for i in rows])
-        loss, overlap = batch_loss(bundle, hooks, verifier, ids, plens, lengths, training_sources(step, cfg), cfg.bf16)
+        batch = make_batch(train_set, rows, pad_id)
+        loss, overlap = batch_loss(bundle, hooks, verifier, batch, training_sources(step, cfg), cfg.bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = common.clip_grad([p for g in optimizer.param_groups for p in g["params"]], cfg.grad_clip)

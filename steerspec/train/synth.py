@@ -6,6 +6,11 @@ sampling at temperature 1 (batched, left-padded, with a KV cache). The dataset i
 shards (`shard_00000.safetensors`, ...): flat token ids, per-sequence offsets and prompt lengths,
 plus `meta.json`. Each shard is seeded on its own, so an interrupted run resumes at the first
 missing shard and produces the same data as an uninterrupted one.
+
+With `--teacher-top-k K` a shard also caches what distillation and SD² training need from the
+verifier, taken from the very forward passes that sampled the answers (no second verifier pass):
+the top-K log-probabilities of every answer token's distribution, and the hidden states entering
+the three steering layers at each position from the last-but-one prompt token on.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,12 +36,32 @@ META_FILE = "meta.json"
 
 
 @dataclass
+class TeacherRecord:
+    """What the verifier computed for one sequence's answer of n_ans tokens.
+
+    top_ids/top_logp [n_ans, K]: the top-K of the distribution each answer token was sampled from
+    (position P−1+j, j < n_ans). taps [n_ans + 1, 3, d] (or None): the hidden states entering the
+    three steering layers at positions P−2 .. n−2 (row 0 is zeros when the prompt is one token).
+    """
+
+    top_ids: torch.Tensor
+    top_logp: torch.Tensor
+    taps: Optional[torch.Tensor] = None
+
+
+@dataclass
 class SyntheticSet:
-    """Sequences (prompt + verifier answer) and where each answer starts."""
+    """Sequences (prompt + verifier answer), where each answer starts, and optional teacher caches."""
 
     sequences: List[torch.Tensor]  # LongTensor [n_i]
     prompt_lens: List[int]
     meta: dict
+    teacher: Optional[List[TeacherRecord]] = None
+
+    @property
+    def tap_layers(self) -> Optional[Tuple[int, ...]]:
+        layers = self.meta.get("tap_layers")
+        return tuple(int(x) for x in layers) if layers and self.teacher is not None else None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -51,16 +76,29 @@ class SyntheticSet:
         n_val = int(round(len(order) * val_fraction)) if val_fraction > 0 else 0
         if val_fraction > 0 and len(order) > 1:
             n_val = min(max(1, n_val), len(order) - 1)
-        pick = lambda idx: SyntheticSet([self.sequences[i] for i in idx], [self.prompt_lens[i] for i in idx], self.meta)
+        def pick(idx):
+            teacher = [self.teacher[i] for i in idx] if self.teacher is not None else None
+            return SyntheticSet([self.sequences[i] for i in idx], [self.prompt_lens[i] for i in idx], self.meta, teacher)
+
         return pick(sorted(order[n_val:])), pick(sorted(order[:n_val]))
 
 
-def save_shard(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
+def save_shard(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+               teacher: Optional[Sequence[TeacherRecord]] = None) -> None:
     flat = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int32)
     offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor([len(s) for s in sequences], dtype=torch.int64).cumsum(0)
+    tensors = {"ids": flat, "offsets": offsets, "prompt_lens": torch.tensor(list(prompt_lens), dtype=torch.int32)}
+    if teacher is not None:
+        for seq, plen, rec in zip(sequences, prompt_lens, teacher):
+            if rec.top_ids.shape[0] != len(seq) - plen:
+                raise ValueError(f"teacher record of {rec.top_ids.shape[0]} rows for an answer of {len(seq) - plen}")
+        tensors["top_ids"] = torch.cat([r.top_ids for r in teacher]).to(torch.int32).contiguous()
+        tensors["top_logp"] = torch.cat([r.top_logp for r in teacher]).to(torch.float16).contiguous()
+        if all(r.taps is not None for r in teacher):
+            tensors["taps"] = torch.cat([r.taps for r in teacher]).to(torch.float16).contiguous()
     tmp = path.with_suffix(".tmp")
-    save_file({"ids": flat, "offsets": offsets, "prompt_lens": torch.tensor(list(prompt_lens), dtype=torch.int32)}, str(tmp))
+    save_file(tensors, str(tmp))
     tmp.replace(path)
 
 
@@ -76,14 +114,23 @@ def load_synthetic(path) -> SyntheticSet:
         raise UsageError(f"synthetic dataset not found: {path} (make it with `steerspec train synth --out DIR`)")
     if not shards:
         raise UsageError(f"{path} holds no {SHARD_GLOB} files: run `steerspec train synth --out {path}` first")
-    sequences, prompt_lens = [], []
+    sequences, prompt_lens, teacher = [], [], []
     for shard in shards:
         t = load_file(str(shard))
         ids, offsets = t["ids"].long(), t["offsets"].tolist()
+        row = tap_row = 0
         for i, plen in enumerate(t["prompt_lens"].tolist()):
-            sequences.append(ids[offsets[i] : offsets[i + 1]])
+            seq = ids[offsets[i] : offsets[i + 1]]
+            sequences.append(seq)
             prompt_lens.append(int(plen))
-    return SyntheticSet(sequences, prompt_lens, meta)
+            if "top_ids" in t:
+                n_ans = len(seq) - int(plen)
+                taps = t["taps"][tap_row : tap_row + n_ans + 1] if "taps" in t else None
+                teacher.append(TeacherRecord(t["top_ids"][row : row + n_ans], t["top_logp"][row : row + n_ans], taps))
+                row, tap_row = row + n_ans, tap_row + n_ans + 1
+    if teacher and len(teacher) != len(sequences):
+        raise UsageError(f"{path}: some shards cache the verifier's outputs and some do not; regenerate them")
+    return SyntheticSet(sequences, prompt_lens, meta, teacher or None)
 
 
 # ----------------------------------------------------------------------------------- generation
@@ -98,11 +145,16 @@ def sample_answers(
     temperature: float = 1.0,
     eos_id: Optional[int] = None,
     pad_id: int = 0,
+    record: Optional[List[TeacherRecord]] = None,
+    top_k: int = 0,
+    tap_layers: Optional[Sequence[int]] = None,
 ) -> List[List[int]]:
     """Continue each prompt by sampling from `model` (batched, left-padded, KV cache).
 
     Returns the answers (without the prompt), each ending at its first EOS (kept) or after
     `max_new_tokens` tokens. Temperature 1 with no top-k/top-p: the verifier's own distribution.
+    With `record` (an empty list) and `top_k`, appends one TeacherRecord per prompt, with taps
+    when `tap_layers` are given.
     """
     from transformers import DynamicCache
 
@@ -118,12 +170,26 @@ def sample_answers(
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    recording = record is not None and top_k > 0
+    taps_on = recording and tap_layers is not None
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1, output_hidden_states=taps_on)
     logits = out.logits[:, -1]
+    tops: List[tuple] = []  # per step: (ids [B, K], logp [B, K])
+    taps: List[torch.Tensor] = []  # per position from P−2: [B, 3, d]
+    if taps_on:
+        prefill = torch.stack([out.hidden_states[i][:, -2:] for i in tap_layers], dim=2)  # [B, 2, 3, d]
+        for i, p in enumerate(prompts):
+            if len(p) < 2:
+                prefill[i, 0] = 0
+        taps += [prefill[:, 0].to(torch.float16), prefill[:, 1].to(torch.float16)]
     next_pos = positions[:, -1:] + 1
     answers: List[List[int]] = [[] for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
+        if recording:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            tops.append((top.indices.to(torch.int32), top.values.to(torch.float16)))
         if temperature <= 0:
             tok = logits.argmax(-1)
         else:
@@ -137,9 +203,19 @@ def sample_answers(
             break
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True,
+                    output_hidden_states=taps_on)
         logits = out.logits[:, -1]
+        if taps_on:
+            taps.append(torch.stack([out.hidden_states[i][:, -1] for i in tap_layers], dim=1).to(torch.float16))
         next_pos = next_pos + 1
+    if recording:
+        top_ids, top_logp = torch.stack([t[0] for t in tops], 1), torch.stack([t[1] for t in tops], 1)
+        all_taps = torch.stack(taps, 1) if taps_on else None  # [B, steps + 1, 3, d]
+        for i, answer in enumerate(answers):
+            n = len(answer)
+            record.append(TeacherRecord(top_ids[i, :n].cpu(), top_logp[i, :n].cpu(),
+                                        all_taps[i, : n + 1].cpu() if taps_on else None))
     return answers
 
 
@@ -208,6 +284,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="start over even if shards exist")
+    parser.add_argument("--teacher-top-k", type=int, default=0,
+                        help="also cache the verifier's top-K log-probs of every answer token and its steering-layer "
+                             "hidden states (for `train distill/sd2` without the verifier in the loop); 0 = off")
+    parser.add_argument("--tap-layers", default="auto",
+                        help="with --teacher-top-k: verifier layers low,mid,high whose input states are cached (SD²'s)")
     parser.add_argument("--shards", type=int, default=None,
                         help="make only the first SHARDS batches of the --samples prompts (rerun with more to extend)")
 
@@ -219,11 +300,18 @@ def run(args) -> int:
         raise UsageError("--samples, --batch-size and --max-new-tokens must be at least 1")
     if not 1 <= args.prompt_min <= args.prompt_max:
         raise UsageError("need 1 <= --prompt-min <= --prompt-max")
+    if args.teacher_top_k < 0:
+        raise UsageError("--teacher-top-k must be 0 (off) or a positive count")
     torch.set_num_threads(max(1, args.threads))
     vdir = resolve_model_dir(args.verifier)
     model = load_model(vdir)
     tok = load_tokenizer(vdir)
     ctx = int(getattr(model.config, "max_position_embeddings", 512))
+    tap_layers = None
+    if args.teacher_top_k:
+        from steerspec.steering import parse_layers
+
+        tap_layers = list(parse_layers(args.tap_layers, int(model.config.num_hidden_layers)))
     if args.prompt_max + args.max_new_tokens > ctx:
         raise UsageError(f"--prompt-max + --max-new-tokens must fit the verifier's context of {ctx} tokens")
     out: Path = args.out
@@ -236,6 +324,8 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
         prompts_from="CPython stdlib train split: def/class headers + first lines (as steerspec.data.evalsets), then line-start windows",
     )
+    if args.teacher_top_k:
+        meta.update(teacher_top_k=args.teacher_top_k, tap_layers=tap_layers)
     meta_path = out / META_FILE
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
@@ -262,8 +352,10 @@ def run(args) -> int:
         if path.is_file():
             continue
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
-        answers = sample_answers(model, batch, args.max_new_tokens, gen, temperature=args.temperature, eos_id=eos, pad_id=pad)
-        save_shard(path, [list(p) + a for p, a in zip(batch, answers)], [len(p) for p in batch])
+        record: Optional[List[TeacherRecord]] = [] if args.teacher_top_k else None
+        answers = sample_answers(model, batch, args.max_new_tokens, gen, temperature=args.temperature, eos_id=eos, pad_id=pad,
+                                 record=record, top_k=args.teacher_top_k, tap_layers=tap_layers)
+        save_shard(path, [list(p) + a for p, a in zip(batch, answers)], [len(p) for p in batch], record)
         new_tokens += sum(len(a) for a in answers)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.time() - start):.0f}")
