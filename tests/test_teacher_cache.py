@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from steerspec.steering import load_steering
 from steerspec.train import distill
 from steerspec.train.synth import SyntheticSet, load_synthetic, sample_answers, save_shard
 from tests.test_train_sd2 import VOCAB, sd2_bundle, tiny_llama
@@ -76,3 +77,48 @@ def test_cached_teacher_loss_matches_the_verifier_in_the_loop():
     cached = distill.batch_loss(bundle, hooks, None, distill.make_batch(data, rows, 0, cached=True), sources)
     torch.testing.assert_close(cached[0], live[0], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(cached[1], live[1], atol=2e-3, rtol=2e-3)
+
+
+def test_reduced_drafter_trains_on_the_cache_and_reloads(tmp_path, monkeypatch):
+    """`train distill` and `train sd2` fit a reduced-vocabulary drafter on cached data without loading the
+    verifier; the exported directory reloads to the trained weights and its q stays 0 off its support."""
+    from steerspec.cli import main
+    from steerspec.models import loading, reduced
+
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    verifier.save_pretrained(str(tmp_path / "v"), safe_serialization=True)
+    support = torch.arange(0, VOCAB, 2)  # half the vocabulary, EOS (0) included
+    init = reduced.init_from_verifier(tmp_path / "v", str(tmp_path / "v"), support, [0, 1])
+    reduced.save_drafter(init, tmp_path / "d")
+    data = cached_data(verifier, n=12, top_k=16)
+    (tmp_path / "data").mkdir()
+    save_shard(tmp_path / "data" / "shard_00000.safetensors", [s.tolist() for s in data.sequences], data.prompt_lens,
+               data.teacher)
+    (tmp_path / "data" / "meta.json").write_text('{"teacher_top_k": 16, "tap_layers": [1, 2, 3]}')
+
+    def refuse(path, *a, **k):
+        if str(path) == str(tmp_path / "v"):
+            raise AssertionError("the verifier was loaded although the data caches its outputs")
+        return real_load(path, *a, **k)
+
+    real_load = loading.load_model
+    monkeypatch.setattr(loading, "load_model", refuse)
+    common = ["--data", str(tmp_path / "data"), "--verifier", str(tmp_path / "v"), "--drafter", str(tmp_path / "d"),
+              "--steps", "12", "--batch-size", "4", "--lr", "5e-3", "--eval-every", "0", "--val-fraction", "0.25"]
+    assert main(["train", "distill", *common, "--out", str(tmp_path / "dist")]) == 0
+    assert main(["train", "sd2", *common, "--out", str(tmp_path / "sd2"), "--k", "3"]) == 0
+    import json
+
+    for name in ("dist", "sd2"):
+        report = json.loads((tmp_path / name / "train_report.json").read_text())
+        assert report["final"]["val_kl"] < report["initial"]["val_kl"], name
+        back = real_load(tmp_path / name)
+        assert reduced.is_reduced_dir(tmp_path / name) and torch.equal(back.lm_head.support, support)
+        assert not torch.equal(back.model.layers[0].mlp.up_proj.weight, init.model.layers[0].mlp.up_proj.weight.half().float())
+        with torch.no_grad():
+            q = torch.softmax(back(input_ids=data.sequences[0][None]).logits, -1)
+        off = torch.ones(VOCAB, dtype=torch.bool)
+        off[support] = False
+        assert float(q[..., off].max()) == 0.0
+    assert load_steering(tmp_path / "sd2").config.verifier_layers == LAYERS
+    assert not (tmp_path / "dist" / "steering.safetensors").exists()

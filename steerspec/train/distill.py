@@ -501,16 +501,21 @@ def config_from_args(args, steer: bool) -> TrainConfig:
     )
 
 
-def load_pair(args):
-    """(verifier, drafter, drafter_dir, verifier_dir) as float32 on CPU; the drafter trainable."""
+def load_pair(args, data: SyntheticSet):
+    """(verifier or None, verifier config, drafter, drafter_dir, verifier_dir) as float32 on CPU.
+
+    The verifier itself is loaded only when `data` caches none of its outputs."""
+    from transformers import AutoConfig
+
     from steerspec.models.loading import load_model, resolve_model_dir
 
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
-    verifier = load_model(vdir)
+    verifier = load_model(vdir) if data.teacher is None else None
+    vconfig = verifier.config if verifier is not None else AutoConfig.from_pretrained(str(vdir), local_files_only=True)
     drafter = load_model(ddir)
-    if verifier.config.vocab_size != drafter.config.vocab_size:
-        raise UsageError(f"verifier vocab {verifier.config.vocab_size} != drafter vocab {drafter.config.vocab_size}")
-    return verifier, drafter, ddir, vdir
+    if vconfig.vocab_size != drafter.config.vocab_size:
+        raise UsageError(f"verifier vocab {vconfig.vocab_size} != drafter vocab {drafter.config.vocab_size}")
+    return verifier, vconfig, drafter, ddir, vdir
 
 
 def model_card(title: str, report: Dict, command: str, description: str) -> str:
@@ -550,26 +555,31 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def finish(args, report: Dict, bundle: DrafterBundle, ddir: Path, vdir: Path, verifier, title: str, description: str) -> None:
-    from steerspec.steering.io import save_drafter_checkpoint
+def finish(args, report: Dict, bundle: DrafterBundle, ddir: Path, vdir: Path, vconfig, title: str, description: str) -> None:
+    from steerspec.models import reduced
+    from steerspec.steering.io import save_drafter_checkpoint, save_steering
 
     out: Path = args.out
     weights = vdir / "model.safetensors"
     verifier_sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
-    save_drafter_checkpoint(
-        out, bundle.drafter, tokenizer_from=ddir, head=bundle.head, steering=bundle.steering,
-        verifier_num_layers=int(verifier.config.num_hidden_layers), verifier=vdir.name,
-        extra={"verifier_model_sha256": verifier_sha},
-    )
+    steer = dict(verifier_num_layers=int(vconfig.num_hidden_layers), verifier=vdir.name,
+                 extra={"verifier_model_sha256": verifier_sha})
+    if reduced.is_reduced_dir(ddir):  # own weights + support only; the shared tables stay the verifier's
+        reduced.save_drafter(bundle.drafter, out)
+        if bundle.steered:
+            save_steering(out, bundle.head, bundle.steering, **steer)
+    else:
+        save_drafter_checkpoint(out, bundle.drafter, tokenizer_from=ddir, head=bundle.head, steering=bundle.steering,
+                                **steer)
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["dtype"] = "float32"  # fp16 storage, float32 compute by default (as the bundled pair)
+        cfg.pop("torch_dtype", None)
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        gen = out / "generation_config.json"
+        if gen.exists():
+            gen.unlink()
     report["verifier_model_sha256"] = verifier_sha
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["dtype"] = "float32"  # fp16 storage, float32 compute by default (as the bundled pair)
-    cfg.pop("torch_dtype", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = out / "generation_config.json"
-    if gen.exists():
-        gen.unlink()
     report.update(init_from=str(args.drafter), verifier=str(args.verifier))
     command = "steerspec train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "steerspec train"
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -582,11 +592,11 @@ def run(args) -> int:
     torch.set_num_threads(max(1, args.threads))
     cfg = config_from_args(args, steer=False)
     data = load_synthetic(args.data)
-    verifier, drafter, ddir, vdir = load_pair(args)
+    verifier, vconfig, drafter, ddir, vdir = load_pair(args, data)
     bundle = DrafterBundle(drafter)
     pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
     report = train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
-    finish(args, report, bundle, ddir, vdir, verifier, "Distilled drafter",
+    finish(args, report, bundle, ddir, vdir, vconfig, "Distilled drafter",
            "The pretrained drafter fine-tuned on the verifier's synthetic answers with forward KL (no steering): "
            "the SD² paper's distillation baseline.")
     print(f"distill: val KL {report['initial']['val_kl']:.4f} -> {report['final']['val_kl']:.4f} "

@@ -54,10 +54,13 @@ def run(args) -> int:
     torch.set_num_threads(max(1, args.threads))
     cfg = distill.config_from_args(args, steer=True)
     data = load_synthetic(args.data)
-    verifier, drafter, ddir, vdir = distill.load_pair(args)
-    layers = parse_layers(args.steer_layers, int(verifier.config.num_hidden_layers))
-    head = SteeringHead(int(verifier.config.hidden_size), layers)
-    steering = DrafterSteering.for_model(drafter, int(verifier.config.hidden_size))
+    verifier, vconfig, drafter, ddir, vdir = distill.load_pair(args, data)
+    spec = args.steer_layers
+    if data.tap_layers is not None and str(spec).strip().lower() in ("", "auto"):
+        spec = list(data.tap_layers)  # the layers the data cached
+    layers = parse_layers(spec, int(vconfig.num_hidden_layers))
+    head = SteeringHead(int(vconfig.hidden_size), layers)
+    steering = DrafterSteering.for_model(drafter, int(vconfig.hidden_size))
     bundle = distill.DrafterBundle(drafter, head, steering)
     pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
     report = distill.train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
@@ -66,7 +69,7 @@ def run(args) -> int:
         "head_params": sum(p.numel() for p in head.parameters()),
         "ws_params": sum(p.numel() for p in steering.parameters()),
     }
-    distill.finish(args, report, bundle, ddir, vdir, verifier, "SD² drafter",
+    distill.finish(args, report, bundle, ddir, vdir, vconfig, "SD² drafter",
                    "The pretrained drafter with SD² steering (W_s on every MLP up-projection, W_hml on the verifier) "
                    "trained jointly on the verifier's synthetic answers.")
     print(f"sd2: val KL {report['initial']['val_kl']:.4f} -> {report['final']['val_kl']:.4f} "
