@@ -122,3 +122,25 @@ def test_reduced_drafter_trains_on_the_cache_and_reloads(tmp_path, monkeypatch):
         assert float(q[..., off].max()) == 0.0
     assert load_steering(tmp_path / "sd2").config.verifier_layers == LAYERS
     assert not (tmp_path / "dist" / "steering.safetensors").exists()
+
+
+def test_support_only_loss_equals_the_full_vocabulary_loss(tmp_path):
+    """A reduced drafter's cached loss, computed on its support's logits only, equals the same loss on its
+    full-vocabulary row (q = 0 off the support, those tokens left out)."""
+    from steerspec.models import reduced
+
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    verifier.save_pretrained(str(tmp_path / "v"), safe_serialization=True)
+    drafter = reduced.init_from_verifier(tmp_path / "v", str(tmp_path / "v"), torch.arange(0, VOCAB, 3), [0, 2])
+    data = cached_data(verifier, n=6, top_k=12)
+    batch = distill.make_batch(data, list(range(6)), 0)
+    sources = lambda plens, width: distill.steering_sources(plens, width, 1)
+    loss, overlap = distill.batch_loss(distill.DrafterBundle(drafter), None, None, batch, sources)
+    with torch.no_grad():
+        full = drafter(input_ids=batch.ids).logits
+    mask = distill.answer_mask(batch.plens, batch.lengths, batch.ids.shape[1])
+    want = distill.top_k_kl(batch.top_ids, batch.top_logp, full, mask)
+    masked = full.gather(-1, batch.top_ids) <= reduced.MASKED_LOGIT / 2
+    assert bool(masked.any()) and not bool(masked.all())  # some cached tokens fall off the support
+    torch.testing.assert_close(loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(overlap, want[1], atol=1e-5, rtol=1e-5)

@@ -31,6 +31,9 @@ class ReducedHead(nn.Module):
         self.weight = nn.Parameter(rows, requires_grad=False)
         self.bias = None
         self.register_buffer("support", support.to(torch.long), persistent=False)
+        column = torch.full((int(vocab_size),), -1, dtype=torch.long)
+        column[self.support] = torch.arange(self.support.numel())
+        self.register_buffer("column", column, persistent=False)  # token id -> its logit's column, −1 off the support
         self.vocab_size = int(vocab_size)
 
     def reduced(self, hidden: Tensor) -> Tensor:

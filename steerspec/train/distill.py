@@ -79,20 +79,26 @@ def forward_kl(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor
     return _masked_mean(kl, mask), overlap
 
 
-def top_k_kl(top_ids: Tensor, top_logp: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+def top_k_kl(top_ids: Tensor, top_logp: Tensor, q_logits: Tensor, mask: Tensor,
+             column: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """`forward_kl` with p known only on its top-K tokens (ids [B, T, K], log-probs [B, T, K]).
 
     The KL and Σ min(p, q) are summed over those K tokens (the rest of p's mass, a few percent on
-    code, carries no loss); both equal `forward_kl`'s when K covers the vocabulary.
+    code, carries no loss); both equal `forward_kl`'s when K covers the vocabulary. `q_logits` may
+    cover only a drafter's support, with `column[v]` the column of token v (−1: off the support).
     """
     from steerspec.models.reduced import MASKED_LOGIT
 
-    logq_all = F.log_softmax(q_logits.float(), dim=-1)
     ids = top_ids.long()
-    logq = logq_all.gather(-1, ids)
+    if column is None:  # a full-vocabulary row: tokens a reduced drafter masks out are off its support
+        cols = ids.masked_fill(q_logits.gather(-1, ids) <= MASKED_LOGIT / 2, -1)
+    else:
+        cols = column[ids]
+    logq = F.log_softmax(q_logits.float(), dim=-1).gather(-1, cols.clamp(min=0))
     logp = top_logp.float()
     p = logp.exp()
-    kl = (p * (logp - logq)).masked_fill(q_logits.gather(-1, ids) <= MASKED_LOGIT / 2, 0.0).sum(-1)
+    kl = (p * (logp - logq)).masked_fill(cols < 0, 0.0).sum(-1)
+    logq = logq.masked_fill(cols < 0, -math.inf)
     with torch.no_grad():
         overlap = _masked_mean(torch.minimum(p, logq.exp()).sum(-1), mask)
     return _masked_mean(kl, mask), overlap
@@ -292,15 +298,21 @@ def batch_loss(bundle: DrafterBundle, hooks, verifier, batch: Batch, sources: So
         source, steered = sources(plens, width)
         g = gather_steering(bundle.head, features, source)
         hooks.set_vector(g, steered)
+    head = bundle.drafter.get_output_embeddings()
+    on_support = batch.top_ids is not None and hasattr(head, "reduced")
     try:
         with autocast:
-            d_logits = bundle.drafter(input_ids=ids).logits
+            if on_support:  # logits over the support only: the cached loss needs no full-vocabulary row
+                hidden = bundle.drafter.model(input_ids=ids).last_hidden_state
+                d_logits = head.reduced(hidden)
+            else:
+                d_logits = bundle.drafter(input_ids=ids).logits
     finally:
         if hooks is not None:
             hooks.clear()
     if batch.top_ids is None:
         return forward_kl(vout.logits, d_logits, mask)
-    return top_k_kl(batch.top_ids, batch.top_logp, d_logits, mask)
+    return top_k_kl(batch.top_ids, batch.top_logp, d_logits, mask, head.column if on_support else None)
 
 
 @torch.no_grad()
