@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reproduce the bundled tiny model pair and the eval prompt sets from this machine's CPython stdlib.
 # Usage: bash scripts/build_assets.sh [STEP...]   steps: tokenizer evalsets verifier drafter install (default: all)
-#        bash scripts/build_assets.sh smollm2        the reduced drafter for the real verifier `smollm2`
-#        (code corpus -> runs/smollm2/, resumable: rerun to continue; installed as assets/models/smollm2-pretrained)
+#        bash scripts/build_assets.sh smollm2        the three drafters for the real verifier `smollm2`: pretrained
+#        (code corpus), then the verifier's synthetic answers, then distilled and sd2 from pretrained on them
+#        (runs/smollm2/, every step resumable: rerun to continue; installed as assets/models/smollm2-*;
+#        the two last steps can run as two parallel jobs of 1 thread each)
 # Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
 # The shipped pair was made exactly so (verifier 600 steps, drafter 300 steps, 1 thread each, the two
 # training steps run as two parallel jobs: `build_assets.sh verifier & build_assets.sh drafter`); the
@@ -35,11 +37,27 @@ for step in "${STEPS[@]}"; do
                  --steps "$VERIFIER_STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 --seed 1234 --threads "$THREADS" --resume ;;
     drafter)   $PY -m steerspec train base --role drafter --out $RUNS/pretrained --tokenizer $RUNS/tokenizer \
                  --steps "$DRAFTER_STEPS" --batch-size 16 --seq-len 256 --lr 3e-3 --seed 1234 --threads "$THREADS" --resume ;;
-    smollm2)   $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
+    smollm2)   "$0" smollm2-pretrained smollm2-synth smollm2-distilled smollm2-sd2 ;;
+    smollm2-pretrained)
+               $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
                  --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
                mkdir -p $ASSETS/models/smollm2-pretrained
                cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,README.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
+    smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by shard)
+               $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 --prompt-min 16 --prompt-max 96 \
+                 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads "${SYNTH_THREADS:-2}" \
+                 --shards "${SMOLLM2_SYNTH_SHARDS:-12}" ;;
+    smollm2-distilled|smollm2-sd2)  # the same data, steps, lr, initialisation and seed; sd2 adds steering
+               kind=${step#smollm2-}; cmd=distill; extra=()
+               if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
+               $PY -m steerspec train $cmd --data runs/smollm2/synth --verifier smollm2 --drafter smollm2-pretrained \
+                 --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-180}" --batch-size 16 --lr 5e-4 \
+                 --eval-every 60 --save-every 10 --seed 0 --threads "$THREADS" "${extra[@]}"
+               mkdir -p $ASSETS/models/$step
+               cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \
+                 $ASSETS/models/$step/
+               if [ "$kind" = sd2 ]; then cp runs/smollm2/sd2/steering.{json,safetensors} $ASSETS/models/$step/; fi ;;
     install)   install_model $RUNS/verifier $ASSETS/models/verifier
                install_model $RUNS/pretrained $ASSETS/models/pretrained ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
