@@ -44,10 +44,14 @@ for step in "${STEPS[@]}"; do
                mkdir -p $ASSETS/models/smollm2-pretrained
                cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,README.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
-    smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by shard)
-               $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 --prompt-min 16 --prompt-max 96 \
-                 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads "${SYNTH_THREADS:-2}" \
-                 --shards "${SMOLLM2_SYNTH_SHARDS:-12}" ;;
+    smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by
+                    # shard); two workers of one thread each share the shards
+               for w in 0 1; do
+                 $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 \
+                   --prompt-min 16 --prompt-max 96 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads 1 \
+                   --shards "${SMOLLM2_SYNTH_SHARDS:-12}" --worker $w/2 &
+               done
+               wait ;;
     smollm2-distilled|smollm2-sd2)  # the same data, steps, lr, initialisation and seed; sd2 adds steering
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi

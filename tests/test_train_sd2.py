@@ -311,3 +311,19 @@ def test_synth_shards_makes_a_prefix_of_the_full_set_and_extends_it(tmp_path):
     assert main(args + ["--shards", "3"]) == 0
     again = load_synthetic(tmp_path)
     assert len(again) == 6 and all(torch.equal(a, b) for a, b in zip(first.sequences, again.sequences))
+
+
+def test_synth_workers_split_the_shards_and_together_make_the_same_set(tmp_path):
+    """`--worker I/N` makes the shards with index I mod N; N workers together write what one process writes."""
+    from steerspec.cli import main
+
+    args = ["train", "synth", "--verifier", "verifier", "--samples", "6", "--batch-size", "2",
+            "--max-new-tokens", "3", "--prompt-max", "24", "--seed", "3", "--teacher-top-k", "4"]
+    assert main(args + ["--out", str(tmp_path / "one")]) == 0
+    assert main(args + ["--out", str(tmp_path / "two"), "--worker", "1/2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "two").glob("shard_*")) == ["shard_00001.safetensors"]
+    assert main(args + ["--out", str(tmp_path / "two"), "--worker", "0/2"]) == 0
+    one, two = load_synthetic(tmp_path / "one"), load_synthetic(tmp_path / "two")
+    assert len(one) == len(two) == 6 and all(torch.equal(a, b) for a, b in zip(one.sequences, two.sequences))
+    assert all(torch.equal(a.top_ids, b.top_ids) and torch.equal(a.taps, b.taps) for a, b in zip(one.teacher, two.teacher))
+    assert main(args + ["--out", str(tmp_path / "bad"), "--worker", "2/2"]) == 2

@@ -289,6 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hidden states (for `train distill/sd2` without the verifier in the loop); 0 = off")
     parser.add_argument("--tap-layers", default="auto",
                         help="with --teacher-top-k: verifier layers low,mid,high whose input states are cached (SD²'s)")
+    parser.add_argument("--worker", default=None, metavar="I/N",
+                        help="make only the shards whose index is I mod N, so N processes of one thread each share "
+                             "the work (one process with two threads stalls on a busy 2-core machine)")
     parser.add_argument("--shards", type=int, default=None,
                         help="make only the first SHARDS batches of the --samples prompts (rerun with more to extend)")
 
@@ -300,6 +303,14 @@ def run(args) -> int:
         raise UsageError("--samples, --batch-size and --max-new-tokens must be at least 1")
     if not 1 <= args.prompt_min <= args.prompt_max:
         raise UsageError("need 1 <= --prompt-min <= --prompt-max")
+    worker, workers = 0, 1
+    if args.worker is not None:
+        try:
+            worker, workers = (int(x) for x in args.worker.split("/"))
+        except ValueError:
+            raise UsageError(f"--worker must be I/N, e.g. 0/2, got {args.worker!r}") from None
+        if not 0 <= worker < workers:
+            raise UsageError(f"--worker I/N needs 0 <= I < N, got {args.worker!r}")
     if args.teacher_top_k < 0:
         raise UsageError("--teacher-top-k must be 0 (off) or a positive count")
     torch.set_num_threads(max(1, args.threads))
@@ -339,6 +350,7 @@ def run(args) -> int:
         if args.shards < 1:
             raise UsageError("--shards must be at least 1")
         shards = shards[: args.shards]
+    shards = [(i, b) for i, b in shards if i % workers == worker]
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     from steerspec.train._common import progress
