@@ -46,12 +46,14 @@ for step in "${STEPS[@]}"; do
                  $ASSETS/models/smollm2-pretrained/ ;;
     smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by
                     # shard); two workers of one thread each share the shards
+               pids=()
                for w in 0 1; do
                  $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 \
                    --prompt-min 16 --prompt-max 96 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads 1 \
                    --shards "${SMOLLM2_SYNTH_SHARDS:-12}" --worker $w/2 &
+                 pids+=($!)
                done
-               wait ;;
+               for pid in "${pids[@]}"; do wait "$pid"; done ;;  # fails when a worker failed
     smollm2-distilled|smollm2-sd2)  # the same data, steps, lr, initialisation and seed; sd2 adds steering
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
