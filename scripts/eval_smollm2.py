@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 
-def speculative_figures(verifier, drafter, prompts, config, k):
+def speculative_figures(verifier, drafter, prompts, config, k, steering=None):
     from steerspec.engine import autoregressive_generate, speculative_generate
     from steerspec.policies import FixedK
 
@@ -31,7 +31,7 @@ def speculative_figures(verifier, drafter, prompts, config, k):
     wall = 0.0
     for ids in prompts:
         t0 = time.perf_counter()
-        result = speculative_generate(verifier, drafter, ids, config, FixedK(k))
+        result = speculative_generate(verifier, drafter, ids, config, FixedK(k), steering=steering)
         wall += time.perf_counter() - t0
         exact &= result.token_ids == autoregressive_generate(verifier, ids, config).token_ids
         tokens += len(result.token_ids)
@@ -121,7 +121,13 @@ def main(argv=None) -> int:
                for r in load_eval_set(args.set)[: args.prompts]]
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(verifier_model, tokenizer),
                           max_length=8192)
-    heldout = np.load(args.work / "corpus" / "heldout.npy")
+    corpus = args.work / "corpus"
+    if not (corpus / "heldout.npy").is_file():  # the split `steerspec train smollm2` makes (its seed and cap)
+        from steerspec.data.code_corpus import build_token_arrays
+        from steerspec.models.smollm2 import eos_ids
+
+        build_token_arrays(tokenizer, corpus, seed=1234, max_train_chars=12_000_000, eos_id=eos_ids(tokenizer)[0])
+    heldout = np.load(corpus / "heldout.npy")
     rng = np.random.default_rng(0)
     starts = rng.integers(0, heldout.size - args.window - 1, size=args.heldout_windows)
     windows = [heldout[s: s + args.window + 1] for s in starts]
@@ -129,8 +135,13 @@ def main(argv=None) -> int:
               "threads": args.threads, "verifier_alone": autoregressive_figures(verifier, prompts, config), "drafters": {}}
     report["verifier_alone"]["step_ms"] = step_ms(verifier, prompts[0])
     for path in args.drafter:
+        from steerspec.models import resolve_model_dir
+        from steerspec.steering.runtime import maybe_steering
+
         drafter_model = load_model(path)
-        row = speculative_figures(verifier, cached_lm(drafter_model), prompts, config, args.k)
+        drafter = cached_lm(drafter_model)
+        steering = maybe_steering(drafter, resolve_model_dir(path))  # SD² drafters steer as in `steerspec run`
+        row = speculative_figures(verifier, drafter, prompts, config, args.k, steering)
         row["speedup_vs_verifier"] = row["tokens_per_s"] / report["verifier_alone"]["tokens_per_s"]
         row["step_ms"] = step_ms(cached_lm(drafter_model), prompts[0])
         row["step_ratio_vs_verifier"] = row["step_ms"] / report["verifier_alone"]["step_ms"]
