@@ -128,13 +128,14 @@ def test_greedy_through_the_services_equals_the_verifier_alone(real, capsys):
 
 def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
     """Chi-square of the first generated token at T=1 (k = 2, the bundled drafter's full q over its
-    support) against the verifier's exact distribution; the top tokens are bins, the rest one bin."""
+    support) against the verifier's exact distribution; the top tokens are bins, the rest one bin.
+    The 300 samples are drawn 50 sessions at a time through the services' batched draft loop and
+    batched verification (distribution_helpers.sample_batched)."""
     from collections import Counter
 
-    from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_tokens, verifier_probs
+    from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_batched, verifier_probs
 
-    from steerspec.engine import DecodeConfig, make_generators, prefill
-    from steerspec.models import cached_lm
+    from steerspec.engine import DecodeConfig, make_generators
     from steerspec.sampling import SamplingParams
 
     model, tokenizer = real
@@ -143,14 +144,12 @@ def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
                "for line in open(path):\n", "    return sorted(items, key=", "def parse(text):\n    "]
     ids = pick_prompt(model, bundled_drafter, tokenizer, prompts, params)
     config = DecodeConfig(max_new_tokens=1, sampling=params, draft_top_k=0, max_length=8192)
-    v, d = cached_lm(model), cached_lm(bundled_drafter)
-    prefill(v, ids)
     g_draft, g_verify = make_generators(2026)
     n = 300
-    counts: Counter = Counter()
     accepted: Counter = Counter()
-    for _ in range(n):
-        counts[sample_tokens(v, d, ids, config, 2, g_draft, g_verify, accepted, n_tokens=1)[0]] += 1
+    pairs = sample_batched(model, bundled_drafter, ids, config, n, 50, g_draft, g_verify, accepted, k=2, n_tokens=1)
+    counts: Counter = Counter({first: c for (first,), c in pairs.items()})
+    assert sum(counts.values()) == n
     blocks = sum(accepted.values())
     assert accepted[0] > 0.05 * blocks and blocks - accepted[0] > 0.05 * blocks, accepted  # both paths taken
     p = verifier_probs(model, [ids], params)[0]
