@@ -3,6 +3,7 @@ distribution, a prompt with a mixed acceptance, and the engine's round loop samp
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
@@ -95,7 +96,8 @@ def first_two_p_values(verifier, ids, params: SamplingParams, counts: Counter, n
 class _Stream:
     """One row of `sample_batched`: its drafter cache, verifier session and current sample."""
 
-    def __init__(self, index: int, drafter, ids, runner, params: SamplingParams, g_verify, policy) -> None:
+    def __init__(self, index: int, drafter, ids, runner, params: SamplingParams, g_verify, policy,
+                 prefilled=None) -> None:
         from steerspec.models.kv import CachedLM
         from verifier_service.sessions import VerifierSession
 
@@ -103,7 +105,10 @@ class _Stream:
         self.session = VerifierSession(session_id=f"row-{index}", lm=CachedLM(runner.model), committed=len(ids),
                                        pending=ids[-1], params=params, generator=g_verify, max_k=64,
                                        steering=False)
-        runner.prefill(self.session, list(ids))
+        if prefilled is None:
+            runner.prefill(self.session, list(ids))
+        else:  # the same prompt: a copy of the first row's prefilled cache
+            self.session.lm.cache, self.session.lm.length = copy.deepcopy(prefilled.cache), prefilled.length
         self.policy = policy
         self.committed = list(ids)
 
@@ -131,8 +136,11 @@ def sample_batched(verifier, drafter, ids, config, n: int, rows: int, g_draft, g
 
     runner = VerifyRunner(verifier)
     rows = min(rows, n)
-    streams = [_Stream(i, drafter, ids, runner, config.sampling, g_verify, None if policies is None else policies[i])
-               for i in range(rows)]
+    streams: list = []
+    for i in range(rows):
+        prefilled = streams[0].session.lm if streams else None
+        streams.append(_Stream(i, drafter, ids, runner, config.sampling, g_verify,
+                               None if policies is None else policies[i], prefilled))
     counts: Counter = Counter()
     started = rows
     active = list(streams)
