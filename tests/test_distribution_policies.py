@@ -19,7 +19,8 @@ import pytest
 import torch
 from distribution_helpers import P_MIN, first_two_p_values, pick_prompt, sample_batched
 
-from steerspec.engine import DecodeConfig, draft_block, make_generators
+from steerspec.drafting import DraftRow, draft_blocks
+from steerspec.engine import DecodeConfig, make_generators
 from steerspec.models import cached_lm
 from steerspec.policies import BlockFeedback, PolicyContext, make_policy
 from steerspec.policies.heads import build_head, save_head
@@ -35,12 +36,11 @@ CONFIG = DecodeConfig(max_new_tokens=2, sampling=PARAMS, draft_top_k=8)
 def pair(loaded_pair, eval_prompts, tmp_path_factory):
     verifier, drafter, tok = loaded_pair
     ids = pick_prompt(verifier, drafter, tok, eval_prompts, PARAMS)
-    d = cached_lm(drafter)
     size = int(drafter.config.hidden_size)
     torch.manual_seed(0)  # an untrained head: exactness must not depend on what it predicts
     head = tmp_path_factory.mktemp("heads") / "pacer.safetensors"
     save_head(head, "pacer", build_head("pacer", {"hidden_size": size}), {"hidden_size": size}, {})
-    return verifier, drafter, d, ids, head, size
+    return verifier, drafter, ids, head, size
 
 
 def feedback(accepted: int, drafted: int) -> BlockFeedback:
@@ -49,32 +49,39 @@ def feedback(accepted: int, drafted: int) -> BlockFeedback:
     return BlockFeedback(accepted, drafted, draft_ms=1.0 * drafted, verify_ms=2.0, network_ms=50.0)
 
 
-def drafter_prefix(d, ids, policy, g_draft, lengths: List[int]) -> Tuple[int, int]:
-    """Blocks of the policy's length committed unverified until two tokens are (the drafter's
-    distribution, which the chi-square must reject)."""
-    committed = list(ids)
-    while len(committed) < len(ids) + 2:
-        block = draft_block(d, committed, policy.next_k(), CONFIG, g_draft, policy)
-        drafted = int(block.tokens.shape[1])
-        lengths.append(drafted)
-        committed += block.tokens[0].tolist()
-        policy.update(feedback(drafted, drafted))
-    d.rollback(min(d.length, len(ids) - 1))
-    return committed[len(ids)], committed[len(ids) + 1]
+def drafter_prefixes(drafter, ids, policies, g_draft, lengths: List[int]) -> Counter:
+    """N_SAMPLES first-two-token pairs with every draft committed unverified (the drafter's
+    distribution, which the chi-square must reject), one session per policy drafting at once."""
+    caches = [cached_lm(drafter) for _ in policies]
+    counts: Counter = Counter()
+    while sum(counts.values()) < N_SAMPLES:
+        rows = range(min(len(policies), N_SAMPLES - sum(counts.values())))
+        committed = {r: list(ids) for r in rows}
+        while any(len(c) < len(ids) + 2 for c in committed.values()):
+            todo = [r for r in rows if len(committed[r]) < len(ids) + 2]
+            blocks = draft_blocks([DraftRow(caches[r], committed[r], policies[r].next_k(), CONFIG, g_draft,
+                                            policies[r]) for r in todo])
+            for r, block in zip(todo, blocks):
+                drafted = int(block.tokens.shape[1])
+                lengths.append(drafted)
+                committed[r] += block.tokens[0].tolist()
+                policies[r].update(feedback(drafted, drafted))
+        for r in rows:
+            counts[tuple(committed[r][len(ids):len(ids) + 2])] += 1
+            caches[r].rollback(min(caches[r].length, len(ids) - 1))
+    return counts
 
 
 def run(pair, spec: str, seed: int, accept_all: bool = False):
     """N_SAMPLES first-two-token pairs: ROWS sessions at a time (batched drafting and verification),
     each with its own policy that is never reset, so its state carries from sample to sample."""
-    verifier, drafter, d, ids, head, size = pair
+    verifier, drafter, ids, head, size = pair
     spec = spec.replace("HEAD", str(head))
     g_draft, g_verify = make_generators(seed)
     lengths: List[int] = []
-    if accept_all:
-        policy = make_policy(spec, PolicyContext(hidden_size=size))
-        counts = Counter(drafter_prefix(d, ids, policy, g_draft, lengths) for _ in range(N_SAMPLES))
-        return counts, lengths
     policies = [make_policy(spec, PolicyContext(hidden_size=size)) for _ in range(ROWS)]
+    if accept_all:
+        return drafter_prefixes(drafter, ids, policies, g_draft, lengths), lengths
     counts = sample_batched(verifier, drafter, ids, CONFIG, N_SAMPLES, ROWS, g_draft, g_verify, Counter(),
                             policies=policies, feedback=feedback, lengths=lengths)
     assert sum(counts.values()) == N_SAMPLES
@@ -83,7 +90,7 @@ def run(pair, spec: str, seed: int, accept_all: bool = False):
 
 def p_values(pair, counts: Counter) -> Tuple[float, float]:
     """Chi-square p of the first token's marginal and of the first two tokens' joint distribution."""
-    verifier, _, _, ids, _, _ = pair
+    verifier, _, ids, _, _ = pair
     return first_two_p_values(verifier, ids, PARAMS, counts, N_SAMPLES)
 
 
