@@ -1,5 +1,7 @@
 """Shared pieces of the chi-square tests: p-values with rare outcomes pooled, the verifier's exact
-distribution, a prompt with a mixed acceptance, and the engine's round loop sampling the first tokens."""
+distribution, a prompt with a mixed acceptance, and two samplers of the first tokens: the engine's
+round loop one sample at a time (`sample_tokens`), and many sessions at once through the services'
+batched drafting and verification (`sample_batched`; same distribution, a fraction of the time)."""
 
 from __future__ import annotations
 
