@@ -146,6 +146,24 @@ def loaded_pair(model_pair):
     verifier_dir, drafter_dir = model_pair
     return load_model(verifier_dir), load_model(drafter_dir), load_tokenizer(verifier_dir)
 
+GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32
+
+
+@pytest.fixture(scope="session")
+def pair_greedy(loaded_pair, eval_prompts):
+    """(prompt ids, config, references): the first 16 eval prompts and the verifier alone's greedy
+    32 tokens after each (EOS included); a smaller budget's greedy output is a prefix of these."""
+    from steerspec.engine import DecodeConfig, autoregressive_generate
+    from steerspec.models import cached_lm, context_length, eos_token_ids
+
+    verifier, drafter, tok = loaded_pair
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in eval_prompts[:GREEDY_PROMPTS]]
+    config = DecodeConfig(max_new_tokens=GREEDY_TOKENS, eos_token_ids=eos_token_ids(verifier, tok),
+                          max_length=min(context_length(verifier), context_length(drafter)))
+    v = cached_lm(verifier)
+    return prompts, config, [autoregressive_generate(v, ids, config).token_ids for ids in prompts]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One two-node Ray on loopback for the whole test session, started by the first test that asks for it.

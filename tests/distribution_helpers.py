@@ -1,14 +1,18 @@
 """Shared pieces of the chi-square tests: p-values with rare outcomes pooled, the verifier's exact
-distribution, a prompt with a mixed acceptance, and the engine's round loop sampling the first tokens."""
+distribution, a prompt with a mixed acceptance, and two samplers of the first tokens: the engine's
+round loop one sample at a time (`sample_tokens`), and many sessions at once through the services'
+batched drafting and verification (`sample_batched`; same distribution, a fraction of the time)."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
 from scipy.stats import chisquare
 
 from steerspec.engine import draft_block, verify_block
+from steerspec.models import cached_lm
 from steerspec.sampling import SamplingParams, probs_from_logits
 
 P_MIN = 1e-3
@@ -89,3 +93,85 @@ def first_two_p_values(verifier, ids, params: SamplingParams, counts: Counter, n
         first_counts[a] += c
     marginal = {i: float(p1[i]) for i in torch.nonzero(p1 > 0).flatten().tolist()}
     return chi_square_p(first_counts, marginal, n), chi_square_p(counts, joint, n)
+
+
+class _Stream:
+    """One row of `sample_batched`: its drafter cache, verifier session and current sample."""
+
+    def __init__(self, index: int, drafter, ids, runner, params: SamplingParams, g_verify, policy,
+                 prefilled=None) -> None:
+        from steerspec.models.kv import CachedLM
+        from verifier_service.sessions import VerifierSession
+
+        self.d = cached_lm(drafter)
+        self.session = VerifierSession(session_id=f"row-{index}", lm=CachedLM(runner.model), committed=len(ids),
+                                       pending=ids[-1], params=params, generator=g_verify, max_k=64,
+                                       steering=False)
+        if prefilled is None:
+            runner.prefill(self.session, list(ids))
+        else:  # the same prompt: a copy of the first row's prefilled cache
+            self.session.lm.cache, self.session.lm.length = copy.deepcopy(prefilled.cache), prefilled.length
+        self.policy = policy
+        self.committed = list(ids)
+
+    def restart(self, ids) -> None:
+        """Back to the prompt: the verifier keeps prompt[:-1], the drafter at most that."""
+        self.session.lm.rollback(len(ids) - 1)
+        self.session.committed, self.session.pending = len(ids), ids[-1]
+        self.d.rollback(min(self.d.length, len(ids) - 1))
+        self.committed = list(ids)
+
+
+def sample_batched(verifier, drafter, ids, config, n: int, rows: int, g_draft, g_verify, accepted_counts: Counter,
+                   k: int = 0, policies=None, feedback=None, lengths=None, n_tokens: int = 2) -> Counter:
+    """`n` samples of the first `n_tokens` tokens, `rows` at a time: each round drafts every row's
+    block in one batched draft loop (`drafting.draft_blocks`, the drafter service's) and verifies
+    them in one batched forward pass (`VerifyRunner.run`, the verifier service's), each row a
+    session with its own caches. A row starts its next sample from the prompt once it has one.
+
+    Block length: `k`, or the row's own policy (`policies[row]`, never reset between samples;
+    `feedback(accepted, drafted)` is what it is told after each block). Drafted lengths go to
+    `lengths`."""
+    from steerspec.drafting import DraftRow, draft_blocks
+    from steerspec.wire import WireBlock
+    from verifier_service.batcher import VerifyJob, VerifyRunner
+
+    runner = VerifyRunner(verifier)
+    rows = min(rows, n)
+    streams: list = []
+    for i in range(rows):
+        prefilled = streams[0].session.lm if streams else None
+        streams.append(_Stream(i, drafter, ids, runner, config.sampling, g_verify,
+                               None if policies is None else policies[i], prefilled))
+    counts: Counter = Counter()
+    started = rows
+    active = list(streams)
+    while active:
+        ks = [k if s.policy is None else s.policy.next_k() for s in active]
+        blocks = draft_blocks([DraftRow(s.d, s.committed, kk, config, g_draft, s.policy) for s, kk in zip(active, ks)])
+        jobs = [VerifyJob(s.session, WireBlock(0, len(s.committed), b.tokens[0].numpy(), b.q.map(lambda t: t[0])))
+                for s, b in zip(active, blocks)]
+        results = runner.run(jobs)
+        still = []
+        for s, block, result in zip(active, blocks, results):
+            n_before = len(s.committed)
+            drafted, accepted = int(block.tokens.shape[1]), result.accepted
+            accepted_counts[accepted] += 1
+            if lengths is not None:
+                lengths.append(drafted)
+            if s.d.length > n_before + accepted:
+                s.d.rollback(n_before + accepted)
+            s.committed += block.tokens[0, :accepted].tolist() + [result.next_token]
+            s.session.committed, s.session.pending = len(s.committed), result.next_token
+            if s.policy is not None:
+                s.policy.update(feedback(accepted, drafted))
+            if len(s.committed) < len(ids) + n_tokens:
+                still.append(s)
+                continue
+            counts[tuple(s.committed[len(ids):len(ids) + n_tokens])] += 1
+            if started < n:
+                started += 1
+                s.restart(ids)
+                still.append(s)
+        active = still
+    return counts

@@ -6,28 +6,21 @@ import pytest
 import torch
 
 from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
-from steerspec.models import FastCachedLM, cached_lm, context_length, eos_token_ids
+from steerspec.models import FastCachedLM, cached_lm
 from steerspec.policies import FixedK, PolicyBase
 from steerspec.sampling import SamplingParams
 
-MAX_NEW = 32
-N_PROMPTS = 16
-
-
 @pytest.fixture(scope="module")
-def engine(loaded_pair, eval_prompts):
+def engine(loaded_pair, pair_greedy):
     verifier, drafter, tok = loaded_pair
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in eval_prompts[:N_PROMPTS]]
-    assert len(prompts) == N_PROMPTS and all(prompts)
-    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos_token_ids(verifier, tok),
-                          max_length=min(context_length(verifier), context_length(drafter)))
+    prompts, config, _ = pair_greedy
+    assert len(prompts) == 16 and all(prompts)
     return cached_lm(verifier), cached_lm(drafter), tok, prompts, config
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(engine):
-    verifier, _, _, prompts, config = engine
-    return [autoregressive_generate(verifier, ids, config).token_ids for ids in prompts]
+def greedy_reference(pair_greedy):
+    return pair_greedy[2]
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
-from steerspec.models import cached_lm, context_length, eos_token_ids
+from steerspec.engine import speculative_generate
+from steerspec.models import cached_lm
 from steerspec.policies import BlockFeedback, DraftStep, PolicyContext, PolicyError, known_policies, make_policy
 from steerspec.policies.adaedl import entropy_lower_bound
 from steerspec.policies.heads import build_head, save_head
@@ -207,17 +208,16 @@ def test_head_for_another_drafter_is_refused(tmp_path):
 
 # --- losslessness on the bundled pair -------------------------------------------------------
 
-N_PROMPTS, MAX_NEW = 16, 24
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def setup(loaded_pair, eval_prompts, tmp_path_factory):
-    verifier, drafter, tok = loaded_pair
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in eval_prompts[:N_PROMPTS]]
-    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos_token_ids(verifier, tok),
-                          max_length=min(context_length(verifier), context_length(drafter)))
+def setup(loaded_pair, pair_greedy, tmp_path_factory):
+    verifier, drafter, _ = loaded_pair
+    prompts, longer, greedy = pair_greedy
+    config = replace(longer, max_new_tokens=MAX_NEW)
+    reference = [tokens[:MAX_NEW] for tokens in greedy]  # the verifier alone under this budget
     v, d = cached_lm(verifier), cached_lm(drafter)
-    reference = [autoregressive_generate(v, ids, config).token_ids for ids in prompts]
     root = tmp_path_factory.mktemp("heads")
     torch.manual_seed(0)  # untrained heads: exactness must not depend on what a head predicts
     size = int(drafter.config.hidden_size)
@@ -238,8 +238,6 @@ def _specs(root):
 
 def test_every_policy_is_lossless_greedy(setup):
     v, d, prompts, config, reference, root, size = setup
-    fixed = [speculative_generate(v, d, ids, config, make_policy("fixed:k=4")).token_ids for ids in prompts]
-    assert fixed == reference
     lengths = {}
     for spec in _specs(root):
         policy = make_policy(spec, PolicyContext(hidden_size=size))

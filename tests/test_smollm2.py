@@ -47,6 +47,19 @@ def real():
     return model, load_tokenizer("smollm2")
 
 
+@pytest.fixture(scope="module")
+def alone(real):
+    """The verifier alone, greedy, after PROMPT: (prompt ids, config, 40 tokens); greedy under a
+    smaller budget writes a prefix of these (EOS, if any, included)."""
+    from steerspec.engine import DecodeConfig, autoregressive_generate
+    from steerspec.models import cached_lm, eos_token_ids
+
+    model, tokenizer = real
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=eos_token_ids(model, tokenizer), max_length=8192)
+    return ids, config, autoregressive_generate(cached_lm(model), ids, config).token_ids
+
+
 def test_converted_directory_is_a_plain_llama_with_its_eos_ids(real):
     model, tokenizer = real
     path = smollm2.ensure_model_dir()
@@ -61,17 +74,15 @@ def test_converted_directory_is_a_plain_llama_with_its_eos_ids(real):
     assert {tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")} <= eos
 
 
-def test_greedy_writes_fibonacci_and_speculation_is_exact(real, tmp_path):
-    from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
-    from steerspec.models import cached_lm, eos_token_ids, load_model
+def test_greedy_writes_fibonacci_and_speculation_is_exact(real, alone, tmp_path):
+    from steerspec.engine import speculative_generate
+    from steerspec.models import cached_lm, load_model
     from steerspec.models.reduced import init_from_verifier, save_drafter
     from steerspec.policies import FixedK
 
     model, tokenizer = real
-    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    config = DecodeConfig(max_new_tokens=40, eos_token_ids=eos_token_ids(model, tokenizer), max_length=8192)
+    ids, config, expected = alone
     verifier = cached_lm(model)
-    expected = autoregressive_generate(verifier, ids, config).token_ids
     text = tokenizer.decode(expected).replace(" ", "")
     assert "returnfibonacci(n-1)+fibonacci(n-2)" in text, text
     support = torch.arange(0, 49152, 3)  # any support: exactness must not depend on it
@@ -108,17 +119,12 @@ def bundled_drafter():
     return load_model("smollm2-pretrained")
 
 
-def test_greedy_through_the_services_equals_the_verifier_alone(real, capsys):
+def test_greedy_through_the_services_equals_the_verifier_alone(alone, capsys):
     """The bundled drafter through the three gRPC services (local deployment) writes token for token
     what the verifier alone writes."""
     from steerspec.cli import main
-    from steerspec.engine import DecodeConfig, autoregressive_generate
-    from steerspec.models import cached_lm, eos_token_ids
 
-    model, tokenizer = real
-    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    config = DecodeConfig(max_new_tokens=32, eos_token_ids=eos_token_ids(model, tokenizer), max_length=8192)
-    expected = autoregressive_generate(cached_lm(model), ids, config).token_ids
+    expected = alone[2][:32]
     code = main(["run", PROMPT, "--verifier", "smollm2", "--drafter", "smollm2-pretrained", "--transport", "grpc",
                  "--deployment", "local", "--max-new-tokens", "32", "--k", "4", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -128,13 +134,14 @@ def test_greedy_through_the_services_equals_the_verifier_alone(real, capsys):
 
 def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
     """Chi-square of the first generated token at T=1 (k = 2, the bundled drafter's full q over its
-    support) against the verifier's exact distribution; the top tokens are bins, the rest one bin."""
+    support) against the verifier's exact distribution; the top tokens are bins, the rest one bin.
+    The 300 samples are drawn 50 sessions at a time through the services' batched draft loop and
+    batched verification (distribution_helpers.sample_batched)."""
     from collections import Counter
 
-    from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_tokens, verifier_probs
+    from distribution_helpers import P_MIN, chi_square_p, pick_prompt, sample_batched, verifier_probs
 
-    from steerspec.engine import DecodeConfig, make_generators, prefill
-    from steerspec.models import cached_lm
+    from steerspec.engine import DecodeConfig, make_generators
     from steerspec.sampling import SamplingParams
 
     model, tokenizer = real
@@ -143,14 +150,12 @@ def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
                "for line in open(path):\n", "    return sorted(items, key=", "def parse(text):\n    "]
     ids = pick_prompt(model, bundled_drafter, tokenizer, prompts, params)
     config = DecodeConfig(max_new_tokens=1, sampling=params, draft_top_k=0, max_length=8192)
-    v, d = cached_lm(model), cached_lm(bundled_drafter)
-    prefill(v, ids)
     g_draft, g_verify = make_generators(2026)
     n = 300
-    counts: Counter = Counter()
     accepted: Counter = Counter()
-    for _ in range(n):
-        counts[sample_tokens(v, d, ids, config, 2, g_draft, g_verify, accepted, n_tokens=1)[0]] += 1
+    pairs = sample_batched(model, bundled_drafter, ids, config, n, 50, g_draft, g_verify, accepted, k=2, n_tokens=1)
+    counts: Counter = Counter({first: c for (first,), c in pairs.items()})
+    assert sum(counts.values()) == n
     blocks = sum(accepted.values())
     assert accepted[0] > 0.05 * blocks and blocks - accepted[0] > 0.05 * blocks, accepted  # both paths taken
     p = verifier_probs(model, [ids], params)[0]
@@ -169,14 +174,12 @@ def test_bundled_drafter_has_its_sprinter_head_by_name():
 
 
 @pytest.mark.parametrize("policy", ["specdecpp", "pacer"])
-def test_trained_policies_find_the_bundled_heads_and_stay_exact(real, capsys, policy):
+def test_trained_policies_find_the_bundled_heads_and_stay_exact(alone, capsys, policy):
     """`steerspec run --policy specdecpp|pacer` in process: the heads beside smollm2-pretrained load by
-    the drafter's name, and greedy output equals the verifier alone."""
+    the drafter's name, and greedy output equals the verifier alone (16 tokens)."""
     from steerspec.cli import main
 
-    base = ["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1", "--json"]
-    assert main([*base, "--mode", "autoregressive"]) == 0
-    alone = json.loads(capsys.readouterr().out)
-    assert main([*base, "--policy", policy]) == 0
+    assert main(["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1", "--json",
+                 "--policy", policy]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert spec["token_ids"] == alone["token_ids"] and spec["drafted"] > 0
+    assert spec["token_ids"] == alone[2][:16] and spec["drafted"] > 0
