@@ -50,7 +50,7 @@ for step in "${STEPS[@]}"; do
                for w in 0 1; do
                  $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 \
                    --prompt-min 16 --prompt-max 96 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads 1 \
-                   --shards "${SMOLLM2_SYNTH_SHARDS:-12}" --worker $w/2 &
+                   --shards "${SMOLLM2_SYNTH_SHARDS:-7}" --worker $w/2 &
                  pids+=($!)
                done
                for pid in "${pids[@]}"; do wait "$pid"; done ;;  # fails when a worker failed
@@ -58,8 +58,8 @@ for step in "${STEPS[@]}"; do
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
                $PY -m steerspec train $cmd --data runs/smollm2/synth --verifier smollm2 --drafter smollm2-pretrained \
-                 --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-180}" --batch-size 16 --lr 5e-4 \
-                 --eval-every 60 --save-every 10 --seed 0 --threads "$THREADS" "${extra[@]}"
+                 --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-250}" --batch-size 16 --lr 5e-4 \
+                 --eval-every 80 --save-every 10 --seed 0 --threads "$THREADS" "${extra[@]}"
                mkdir -p $ASSETS/models/$step
                cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \
                  $ASSETS/models/$step/
