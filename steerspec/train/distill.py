@@ -547,7 +547,9 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
         f"lr {r['config']['lr']} (warm-up + cosine), grad clip {r['config']['grad_clip']}, seed {r['config']['seed']}",
         f"- training time: {r['train_seconds']:.0f} s on CPU",
         "",
-        "## Losses (forward KL(p_V ‖ q_D) per answer token, nats)",
+        "## Losses (forward KL(p_V ‖ q_D) per answer token, nats)"
+        + (f" — over the verifier's cached top {r['teacher_top_k']} tokens (∩ the drafter's support)"
+           if r.get("teacher_top_k") else ""),
         f"- validation KL: {init['val_kl']:.4f} before → {fin['val_kl']:.4f} after",
         f"- validation overlap Σ min(p_V, q_D) (expected acceptance of one draft token): "
         f"{init['val_overlap']:.4f} → {fin['val_overlap']:.4f}",
@@ -608,6 +610,7 @@ def run(args) -> int:
     bundle = DrafterBundle(drafter)
     pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
     report = train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
+    report["teacher_top_k"] = data.meta.get("teacher_top_k") if data.teacher is not None else None
     finish(args, report, bundle, ddir, vdir, vconfig, "Distilled drafter",
            "The pretrained drafter fine-tuned on the verifier's synthetic answers with forward KL (no steering): "
            "the SD² paper's distillation baseline.")

@@ -64,6 +64,7 @@ def run(args) -> int:
     bundle = distill.DrafterBundle(drafter, head, steering)
     pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
     report = distill.train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
+    report["teacher_top_k"] = data.meta.get("teacher_top_k") if data.teacher is not None else None
     report["steering"] = {
         "verifier_layers": list(layers),
         "head_params": sum(p.numel() for p in head.parameters()),
