@@ -42,7 +42,7 @@ for step in "${STEPS[@]}"; do
                $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
                  --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
                mkdir -p $ASSETS/models/smollm2-pretrained
-               cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,README.md} \
+               cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
     smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by
                     # shard); two workers of one thread each share the shards

@@ -8,7 +8,8 @@ import torch
 
 MODELS = Path(__file__).resolve().parent.parent / "steerspec" / "assets" / "models"
 EVAL = Path(__file__).resolve().parent.parent / "steerspec" / "assets" / "eval"
-BUDGET_BYTES = 40 * 1024 * 1024
+BUDGET_BYTES = 40 * 1024 * 1024  # the tiny pair and its heads
+SMOLLM2_BUDGET_BYTES = 100 * 1000 * 1000  # the real pair's drafters: 100 MB in all, no file over 50 MB
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_verifier_beats_drafter_on_heldout():
 
 
 def test_bundled_weights_within_budget():
-    weights = list(MODELS.rglob("*.safetensors"))
+    weights = [w for w in MODELS.rglob("*.safetensors") if not w.relative_to(MODELS).parts[0].startswith("smollm2-")]
     assert len(weights) >= 2
     assert sum(w.stat().st_size for w in weights) <= BUDGET_BYTES
     assert (MODELS / "verifier" / "model.safetensors").stat().st_size <= 15 * 1024 * 1024
@@ -63,6 +64,23 @@ def test_bundled_weights_within_budget():
     for name in ("verifier", "pretrained"):
         assert (MODELS / name / "MODEL_CARD.md").exists()
         assert json.loads((MODELS / name / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_smollm2_drafters_within_budget_in_fp16():
+    from safetensors import safe_open
+
+    weights = sorted(MODELS.glob("smollm2-*/**/*.safetensors"))
+    assert {w.relative_to(MODELS).parts[0] for w in weights} == {
+        "smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"}
+    assert sum(w.stat().st_size for w in weights) <= SMOLLM2_BUDGET_BYTES
+    assert max(w.stat().st_size for w in weights) <= SMOLLM2_BUDGET_BYTES // 2
+    for w in weights:
+        if w.name in ("drafter.safetensors", "steering.safetensors"):
+            with safe_open(str(w), "pt") as f:
+                floats = {str(f.get_slice(k).get_dtype()) for k in f.keys()} - {"I32", "I64"}
+            assert floats == {"F16"}, (w, floats)
+    for name in ("smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"):
+        assert (MODELS / name / "MODEL_CARD.md").exists()
 
 
 @pytest.mark.parametrize("name", ["indist", "tests", "docs"])

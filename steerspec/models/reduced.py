@@ -130,7 +130,7 @@ def save_drafter(model, out: Path, dtype: torch.dtype = torch.float16, card: Opt
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     if card:
-        (out / "README.md").write_text(card)
+        (out / "MODEL_CARD.md").write_text(card)
     return out
 
 
