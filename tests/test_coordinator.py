@@ -296,17 +296,6 @@ def test_steerspec_run_emulates_the_link(tiny_pair, capsys):
     assert linked["link"] == {"rtt_ms": 50.0, "jitter_ms": 4.0, "bandwidth_mbps": 100.0, "seed": 0}
 
 
-def test_steerspec_run_ray_deployment(ray_cluster, tiny_pair, capsys):
-    """--deployment ray (actors on the session's loopback Ray) streams the same tokens as the local one."""
-    verifier, drafter = tiny_pair
-    argv = ["run", "def fibonacci(n):", "--verifier", str(verifier), "--drafter", str(drafter),
-            "--max-new-tokens", "12", "--k", "4", "--json"]
-    on_ray = _run_json(capsys, [*argv, "--deployment", "ray", "--rtt-ms", "10"])
-    local = _run_json(capsys, argv)
-    assert on_ray["deployment"] == "ray" and on_ray["token_ids"] == local["token_ids"]
-    assert on_ray["rounds"] == local["rounds"] and on_ray["stage_ms"]["network"] >= 9.0
-
-
 async def test_block_spans_and_metrics(tiny_pair):
     """With a tracer and metrics: one steerspec.block span per round trip under the generation span,
     carrying the stage breakdown, and Prometheus counters that add up."""

@@ -130,13 +130,14 @@ def _check_cross_process_trace(trace_file, summary, pids) -> None:
 
 def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     """`steerspec run --deployment ray --verification sprinter` (the coordinator actor started with
-    allow_lossy, the drafter actor drafting runs with the bundled head) gives the in-process tokens."""
+    allow_lossy, the drafter actor drafting runs with the bundled head) gives the in-process tokens, and
+    its --rtt-ms reaches the coordinator actor's link."""
     from steerspec.cli import main
 
     argv = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "16",
             "--temperature", "1", "--seed", "5", "--threads", "1", "--json", "--verification",
             "sprinter:threshold=0.4,max_run=6"]
-    assert main([*argv, "--transport", "grpc", "--deployment", "ray"]) == 0
+    assert main([*argv, "--transport", "grpc", "--deployment", "ray", "--rtt-ms", "10"]) == 0
     on_ray = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main([*argv, "--transport", "inproc"]) == 0
     in_process = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -144,6 +145,7 @@ def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     assert on_ray["token_ids"] == in_process["token_ids"] and len(on_ray["token_ids"]) == 16
     assert on_ray["verifier_calls"] == in_process["verifier_calls"] < 16
     assert on_ray["sprinter"] == in_process["sprinter"]  # the verifier actor's labels: the same theory figures
+    assert on_ray["stage_ms"]["network"] >= 9.0
 
 
 def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):
