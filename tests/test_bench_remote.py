@@ -53,6 +53,21 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     assert "speculative" in table and "autoregressive" in table and "engine" in table
 
 
+def test_bench_remote_steers_an_sd2_drafter(tmp_path):
+    """An SD² drafter is measured steered: the verifier sends g with every result (bytes down), and the
+    in-process engine row, steered too, commits what the services commit (greedy)."""
+    out = tmp_path / "bench.json"
+    args = _args("--verifier", "verifier", "--drafter", "sd2", "--rtt-ms", "0", "--prompts", "1",
+                 "--max-new-tokens", "8", "--concurrency", "1", "--threads", "1", "--temperature", "0",
+                 "--out", str(out))
+    assert remote.run(args) == 0
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert report["config"]["steering"] is True
+    assert row["speculative"]["bytes_down"] > row["autoregressive"]["bytes_down"] + 100  # g on the wire
+    assert row["speculative"]["block_efficiency"] == report["engine"]["block_efficiency"]
+
+
 @pytest.mark.timeout(300)
 def test_bench_remote_ray_deployment(ray_cluster, tiny_pair, tmp_path):
     """--deployment ray: the launcher's Ray actors on the session's Ray, re-linked per RTT; per-block stages

@@ -132,3 +132,34 @@ def test_bench_engine_smoke(capsys, pair_args, tmp_path):
     assert data["summary"]["all_outputs_equal"] is True and data["summary"]["ratio_vs_assisted"] > 0
     for row in data["results"]:
         assert row["tokens_per_s"] > 0 and row["block_efficiency"] >= 1.0
+    assert data["steering"] is False
+    assert data["summary"]["baseline"] in ("verifier alone", "transformers greedy")
+
+
+def test_bench_engine_steers_an_sd2_drafter(capsys, tmp_path):
+    """An SD² drafter runs steered in our rows (greedy output still the verifier's) and unsteered in
+    transformers' assisted generation, which has no hook for g."""
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.models import cached_lm, load_model
+    from steerspec.policies import FixedK
+    from steerspec.steering.runtime import maybe_steering
+
+    out = tmp_path / "engine.json"
+    code, stdout, err = run_cli(capsys, ["bench", "engine", "--prompts", "1", "--max-new-tokens", "12", "--ks", "3",
+                                         "--verifier", "verifier", "--drafter", "sd2", "--no-assisted",
+                                         "--prompt-tokens", "24", "--out", str(out)])
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    assert data["steering"] is True and data["summary"]["all_outputs_equal"] is True
+    row = next(r for r in data["results"] if r["method"] == "speculative k=3")
+    # the same generation steered by hand takes the bench's rounds
+    from steerspec.bench.engine import load_eval_prompts
+    from steerspec.models import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir("verifier"))
+    ids = tok(load_eval_prompts("indist", 1)[0], add_special_tokens=False)["input_ids"][-24:]
+    verifier, drafter = load_model("verifier"), cached_lm(load_model("sd2"))
+    config = DecodeConfig(max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
+    with maybe_steering(drafter, resolve_model_dir("sd2")) as steering:
+        steered = speculative_generate(cached_lm(verifier), drafter, ids, config, FixedK(3), steering=steering)
+    assert row["rounds"] == steered.rounds

@@ -68,6 +68,18 @@ class CallCounter:
         self.handle.remove()
 
 
+def _steering_weights(args: argparse.Namespace, drafter):
+    """The SD² drafter's steering weights (W_hml, W_s), or None for a plain drafter."""
+    from steerspec.models import resolve_model_dir
+    from steerspec.steering.io import has_steering, load_steering
+
+    ddir = resolve_model_dir(args.drafter)
+    if not has_steering(ddir):
+        return None
+    param = next(drafter.parameters())
+    return load_steering(ddir, dtype=param.dtype, device=param.device)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -79,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.models.kv import cached_lm
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
+    from steerspec.steering.runtime import SD2Steering
 
     try:
         ks = [int(x) for x in args.ks.split(",") if x.strip()]
@@ -105,9 +118,21 @@ def run(args: argparse.Namespace) -> int:
                           draft_top_k=args.draft_top_k, eos_token_ids=eos, max_length=limit)
     v_lm, d_lm = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
 
+    steering = _steering_weights(args, drafter)
+
+    def speculative(k: int) -> Callable:
+        """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that
+        transformers' assisted generation below runs the same drafter unsteered, with no stale g)."""
+        def generate(ids):
+            if steering is None:
+                return speculative_generate(v_lm, d_lm, ids, config, FixedK(k))
+            with SD2Steering(d_lm, steering) as hooks:
+                return speculative_generate(v_lm, d_lm, ids, config, FixedK(k), steering=hooks)
+        return generate
+
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
-        methods[f"speculative k={k}"] = (lambda kk: lambda ids: speculative_generate(v_lm, d_lm, ids, config, FixedK(kk)))(k)
+        methods[f"speculative k={k}"] = speculative(k)
 
     default_gen = copy.deepcopy(drafter.generation_config)
     pad = eos[0] if eos else 0
@@ -172,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
 
     reference = [r.token_ids for r in results["verifier alone"]]
     rows = []
-    base_tps = aggregate(results["verifier alone"])["tokens_per_s"]
+    # The baseline is the faster of our autoregressive mode and transformers' greedy generate.
+    baseline = max(("verifier alone", "transformers greedy"), key=lambda n: aggregate(results[n])["tokens_per_s"])
+    base_tps = aggregate(results[baseline])["tokens_per_s"]
     for name, rs in results.items():
         agg = aggregate(rs)
         is_ours = not name.startswith("transformers")
@@ -193,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     best_ours = max(ours, key=lambda r: r["tokens_per_s"])
     best_assisted = max(assisted, key=lambda r: r["tokens_per_s"]) if assisted else None
     summary = {
+        "baseline": baseline,
         "best_speculative": best_ours["method"],
         "best_speculative_tokens_per_s": best_ours["tokens_per_s"],
         "best_assisted": best_assisted["method"] if best_assisted else None,
@@ -211,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
                       "yes" if r["same_tokens_as_verifier"] else "NO")
     out_console = Console(width=160)
     out_console.print(table)
+    out_console.print(f"speedup: tokens/s over the faster baseline, {baseline}"
+                      + ("; SD² drafter steered in our rows, unsteered in transformers assisted" if steering else ""))
     if best_assisted:
         out_console.print(f"best speculative ({best_ours['method']}) / best transformers assisted "
                           f"({best_assisted['method']}): {summary['ratio_vs_assisted']:.2f}x tokens/s")
@@ -225,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         "decoding": "greedy",
         "verifier": str(args.verifier),
         "drafter": str(args.drafter),
+        "steering": steering is not None,  # SD²: our rows steered, transformers assisted unsteered
         "dtype": args.dtype,
         "device": str(verifier.device),
         "backend": type(v_lm).__name__,

@@ -164,7 +164,8 @@ def _prompts(args, tokenizer) -> List[List[int]]:
     return prompts
 
 
-def _engine_run(verifier, drafter, prompts, args, eos) -> Dict[str, Any]:
+def _engine_run(verifier, drafter, prompts, args, eos, steering=None) -> Dict[str, Any]:
+    """The in-process engine on the same prompts (an SD² drafter steered, as through the services)."""
     from steerspec.engine import DecodeConfig, speculative_generate
     from steerspec.policies.fixed import FixedK
     from steerspec.sampling import SamplingParams
@@ -173,7 +174,7 @@ def _engine_run(verifier, drafter, prompts, args, eos) -> Dict[str, Any]:
     for i, prompt in enumerate(prompts):
         config = DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
                               sampling=SamplingParams(args.temperature, args.top_k, args.top_p), eos_token_ids=eos)
-        results.append(speculative_generate(verifier, drafter, prompt, config, policy=FixedK(args.k)))
+        results.append(speculative_generate(verifier, drafter, prompt, config, policy=FixedK(args.k), steering=steering))
     return summarize_runs(results)
 
 
@@ -224,6 +225,7 @@ class RayCluster:
                             num_threads=args.threads if args.threads > 0 else None, trace_file=self.trace_file,
                             verifier_options=options)
         self.deployment = launch(services, "ray", verifier_gpus=gpus, drafter_gpus=gpus, timeout=600)
+        self.steering = services.steering_dir() is not None  # an SD² drafter: requests ask for steering
         self.client = None
 
     async def start(self) -> None:
@@ -253,10 +255,10 @@ class RayCluster:
 
     async def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
-                       mode: str = "speculative", timeout: Optional[float] = None) -> RunRecord:
+                       mode: str = "speculative", steering: bool = False, timeout: Optional[float] = None) -> RunRecord:
         s = await self.client.acomplete(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k,
-                                        draft_top_k=draft_top_k, mode=mode, timeout=timeout)
+                                        draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout)
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
                          wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
 
@@ -269,7 +271,8 @@ async def _sequential(cluster, prompts, args, mode: str) -> List[Any]:
     for i, prompt in enumerate(prompts):
         results.append(await cluster.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode, timeout=600))
+            top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
+            steering=cluster.steering and mode == "speculative", timeout=600))
     return results
 
 
@@ -283,21 +286,27 @@ async def _concurrent(cluster, prompts, args, sessions: int) -> Dict[str, Any]:
         results += await asyncio.gather(*[
             cluster.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, k=args.k,
-                             draft_top_k=args.draft_top_k, mode="speculative", timeout=600)
+                             draft_top_k=args.draft_top_k, mode="speculative", steering=cluster.steering, timeout=600)
             for i in range(wave, min(total, wave + sessions))])
     return summarize_runs(results, wall_s=time.perf_counter() - start)
 
 
 async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dict[str, Any]:
+    from coordinator.launch import steering_dir
     from coordinator.local import LocalCluster
     from steerspec.linkemu import LinkModel
 
     rows = []
     verifier_options = {} if args.batch_window_ms is None else {"batch_window_ms": args.batch_window_ms}
     engine = None
+    steered = steering_dir(args.drafter_dir) is not None  # an SD² drafter is measured steered everywhere
     if not args.no_engine:
-        _engine_run(verifier, drafter, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), eos)
-        engine = _engine_run(verifier, drafter, prompts[:args.prompts], args, eos)
+        from steerspec.steering.runtime import maybe_steering
+
+        steering = maybe_steering(drafter, args.drafter_dir, device=args.device_type)
+        _engine_run(verifier, drafter, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), eos,
+                    steering)
+        engine = _engine_run(verifier, drafter, prompts[:args.prompts], args, eos, steering)
     ray_cluster = None
     if args.deployment == "ray":
         import tempfile
@@ -311,19 +320,23 @@ async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dic
             if ray_cluster is not None:
                 cluster_cm = ray_cluster.link(link)
             else:
-                cluster_cm = LocalCluster(verifier, drafter, drafters=args.drafters, link=link,
+                # An SD² drafter goes by its directory, so the cluster loads it with its W_s hooks and
+                # gives the verifier its W_hml.
+                cluster_cm = LocalCluster(verifier, str(args.drafter_dir) if steered else drafter,
+                                          drafters=args.drafters, link=link, dtype=args.dtype,
+                                          device=args.device_type,
                                           tokenizer=tokenizer_name, eos_ids=eos, verifier_options=verifier_options)
             rows.append(await _measure_rtt(cluster_cm, rtt, args, prompts, engine))
     finally:
         if ray_cluster is not None:
             await ray_cluster.shutdown()
-    return {"rows": rows, "engine": engine}
+    return {"rows": rows, "engine": engine, "steering": steered}
 
 
 async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[str, Any]:
     async with cluster_cm as cluster:
         await cluster.generate(prompts[0], max_new_tokens=4, k=args.k, draft_top_k=args.draft_top_k,
-                               temperature=args.temperature, seed=args.seed)  # warm-up
+                               temperature=args.temperature, seed=args.seed, steering=cluster.steering)  # warm-up
         ar = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "autoregressive"))
         sd = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative"))
         row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
@@ -529,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
                    "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,
                    "top_p": args.top_p, "concurrency": args.concurrency_list,
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
-                   "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed},
+                   "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"]},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
