@@ -181,13 +181,14 @@ def test_bundled_drafter_has_its_sprinter_head_by_name():
     assert head.meta["feature_dim"] == 2 * 576 + 3 and 0.0 < head.default_threshold < 1.0
 
 
-@pytest.mark.parametrize("policy", ["specdecpp", "pacer"])
-def test_trained_policies_find_the_bundled_heads_and_stay_exact(alone, capsys, policy):
-    """`steerspec run --policy specdecpp|pacer` in process: the heads beside smollm2-pretrained load by
-    the drafter's name, and greedy output equals the verifier alone (16 tokens)."""
+@pytest.mark.parametrize("policy, transport", [("specdecpp", "inproc"), ("pacer", "inproc"), ("specdecpp", "grpc")])
+def test_trained_policies_find_the_bundled_heads_and_stay_exact(alone, capsys, policy, transport):
+    """`steerspec run --policy specdecpp|pacer`: the heads beside smollm2-pretrained load by the drafter's
+    name, in process and in the drafter service (which knows the drafter by its model's name_or_path),
+    and greedy output equals the verifier alone (16 tokens)."""
     from steerspec.cli import main
 
-    assert main(["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1", "--json",
+    assert main(["run", PROMPT, "--max-new-tokens", "16", "--transport", transport, "--threads", "1", "--json",
                  "--policy", policy]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == alone[2][:16] and spec["drafted"] > 0

@@ -177,7 +177,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
     from steerspec.models import cached_lm
     from steerspec.policies import PolicyContext
 
-    context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None),
+    context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None) or None,
                             hidden_size=int(drafter.config.hidden_size))
     v, d = cached_lm(verifier), cached_lm(drafter)
     rows: List[Dict[str, Any]] = []

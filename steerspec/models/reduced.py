@@ -150,6 +150,7 @@ def load_reduced(path: Path, dtype: torch.dtype = torch.float32, verifier_dir: O
     model = assemble(LlamaConfig.from_dict(data), verifier_embedding(verifier_dir), support, tensors, dtype)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
+    model.config.name_or_path = model.name_or_path = str(path)  # as from_pretrained sets them: heads are found beside it
     return model
 
 
