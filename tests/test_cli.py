@@ -139,8 +139,9 @@ def test_bench_engine_smoke(capsys, pair_args, tmp_path):
 def test_bench_engine_steers_an_sd2_drafter(capsys, tmp_path):
     """An SD² drafter runs steered in our rows (greedy output still the verifier's) and unsteered in
     transformers' assisted generation, which has no hook for g."""
+    from steerspec.bench.engine import load_eval_prompts
     from steerspec.engine import DecodeConfig, speculative_generate
-    from steerspec.models import cached_lm, load_model
+    from steerspec.models import cached_lm, load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies import FixedK
     from steerspec.steering.runtime import maybe_steering
 
@@ -153,9 +154,6 @@ def test_bench_engine_steers_an_sd2_drafter(capsys, tmp_path):
     assert data["steering"] is True and data["summary"]["all_outputs_equal"] is True
     row = next(r for r in data["results"] if r["method"] == "speculative k=3")
     # the same generation steered by hand takes the bench's rounds
-    from steerspec.bench.engine import load_eval_prompts
-    from steerspec.models import load_tokenizer, resolve_model_dir
-
     tok = load_tokenizer(resolve_model_dir("verifier"))
     ids = tok(load_eval_prompts("indist", 1)[0], add_special_tokens=False)["input_ids"][-24:]
     verifier, drafter = load_model("verifier"), cached_lm(load_model("sd2"))

@@ -68,18 +68,6 @@ class CallCounter:
         self.handle.remove()
 
 
-def _steering_weights(args: argparse.Namespace, drafter):
-    """The SD² drafter's steering weights (W_hml, W_s), or None for a plain drafter."""
-    from steerspec.models import resolve_model_dir
-    from steerspec.steering.io import has_steering, load_steering
-
-    ddir = resolve_model_dir(args.drafter)
-    if not has_steering(ddir):
-        return None
-    param = next(drafter.parameters())
-    return load_steering(ddir, dtype=param.dtype, device=param.device)
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -87,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.cli.run import load_pair
     from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.metrics import aggregate
-    from steerspec.models import context_length, eos_token_ids
+    from steerspec.models import context_length, eos_token_ids, resolve_model_dir
     from steerspec.models.kv import cached_lm
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
-    from steerspec.steering.runtime import SD2Steering
+    from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
 
     try:
         ks = [int(x) for x in args.ks.split(",") if x.strip()]
@@ -118,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                           draft_top_k=args.draft_top_k, eos_token_ids=eos, max_length=limit)
     v_lm, d_lm = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
 
-    steering = _steering_weights(args, drafter)
+    steering = maybe_steering_weights(drafter, resolve_model_dir(args.drafter), device=drafter.device)
 
     def speculative(k: int) -> Callable:
         """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that

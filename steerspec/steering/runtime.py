@@ -73,10 +73,16 @@ class SD2Steering:
         self.close()
 
 
-def maybe_steering(drafter, drafter_dir: Union[str, Path, None], device: Union[str, torch.device] = "cpu") -> Optional[SD2Steering]:
-    """An SD2Steering when `drafter_dir` holds steering weights, else None (a plain drafter)."""
+def maybe_steering_weights(drafter, drafter_dir: Union[str, Path, None],
+                           device: Union[str, torch.device] = "cpu") -> Optional[SteeringWeights]:
+    """The steering weights in `drafter_dir`, in the drafter's dtype, or None (a plain drafter)."""
     if drafter_dir is None or not has_steering(drafter_dir):
         return None
     model = getattr(drafter, "model", drafter)
-    dtype = next(model.parameters()).dtype
-    return SD2Steering(drafter, load_steering(drafter_dir, dtype=dtype, device=device))
+    return load_steering(drafter_dir, dtype=next(model.parameters()).dtype, device=device)
+
+
+def maybe_steering(drafter, drafter_dir: Union[str, Path, None], device: Union[str, torch.device] = "cpu") -> Optional[SD2Steering]:
+    """An SD2Steering when `drafter_dir` holds steering weights, else None (a plain drafter)."""
+    weights = maybe_steering_weights(drafter, drafter_dir, device)
+    return None if weights is None else SD2Steering(drafter, weights)
