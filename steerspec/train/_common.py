@@ -129,6 +129,8 @@ def export_hf(model: nn.Module, out: Path, tokenizer_dir: Optional[Path] = None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     half = copy.deepcopy(model).to(torch.float16)
+    for param in half.parameters():  # safetensors writes contiguous tensors only (see use_input_major_weights)
+        param.data = param.data.contiguous()
     half.save_pretrained(str(out), safe_serialization=True)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
