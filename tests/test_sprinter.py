@@ -316,3 +316,24 @@ def test_pooled_tally_sums_counts_and_keeps_runs_in_order():
     assert pooled.run_lengths == [3, 1] and pooled.run_r == [2, 2] and pooled.tv_pq_sum == 0.75
     t = pooled.theory()
     assert (t["eta_tp"], t["eta_fp"], t["tv_pq"], t["tv_bound"], t["mean_run_length"]) == (0.75, 0.5, 0.125, 0.0625, 2.0)
+
+
+def test_bench_sprinter_runs_specdecpp_and_adaedl_beside_exact_and_sprinter(capsys, tmp_path):
+    """SPRINTER's Table 2 layout: the draft-length policies are exact rows (lossless, no η's) on the
+    same prompts and seeds; SPRINTER's rows carry the theory and quality columns; the JSON and PNG exist."""
+    out = tmp_path / "sprinter.json"
+    code, stdout, err = _cli(capsys, "bench", "sprinter", "--limit", "1", "--seeds", "1", "--max-new-tokens", "10",
+                             "--winrate-tokens", "5", "--tv-samples", "0", "--thresholds", "0.4", "--k", "4",
+                             "--rtts", "0,50", "--out", str(out))
+    assert code == 0, err
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["exact", "specdecpp", "adaedl", "sprinter@0.4"]
+    for name in ("specdecpp", "adaedl"):
+        row = rows[name]
+        assert row["lossy"] is False and "eta_fp" not in row and row["tokens"] >= 1
+        assert row["verifier_calls"] >= 1 and set(row["speedup"]) == {"0", "50"}
+        assert any(line.startswith(f"{name} | ") for line in stdout.splitlines())
+    assert rows["sprinter@0.4"]["lossy"] is True and "eta_fp" in rows["sprinter@0.4"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    code, _, err = _cli(capsys, "bench", "sprinter", "--policies", "specdecpp:h=2", "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "--policies" in err

@@ -84,9 +84,9 @@ def _validate(args) -> None:
         raise UsageError(f"--sets must name eval sets among {', '.join(SETS)}, got '{args.sets}'")
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise UsageError("--prompts must be >= 1 and --max-new-tokens >= 2")
-    sep = ";" if ";" in args.policies else ","
-    args.policy_list = [p.strip() for p in args.policies.split(sep) if p.strip()]
-    from steerspec.policies import PolicyError, parse_spec
+    from steerspec.policies import PolicyError, parse_spec, split_specs
+
+    args.policy_list = split_specs(args.policies)
 
     for spec in args.policy_list:
         try:

@@ -1,7 +1,9 @@
 """SPRINTER (lossy) against exact speculative decoding: calls saved, speed at modelled RTTs, what it costs.
 
-On the same prompts and seeds (T = --temperature) it runs exact speculative decoding (fixed k)
-and SPRINTER at each --thresholds value, in-process. Per configuration: tokens per verifier
+On the same prompts and seeds (T = --temperature) it runs exact speculative decoding (fixed k),
+exact speculative decoding under each --policies draft-length policy (SPRINTER's Table 2 baselines
+SpecDec++ and AdaEDL by default; lossless, so only their speed and calls differ) and SPRINTER at
+each --thresholds value, in-process. Per configuration: tokens per verifier
 call, time per token (ms, mean ± std over sequences), tokens/s at each RTT in --rtts as
 tokens / (wall + calls · RTT) (every verifier call pays one round trip; in-process wall time
 plus the modelled network), speedup against exact at the same RTT; η_TP / η_FP measured on
@@ -28,6 +30,8 @@ import torch
 
 from steerspec.errors import UsageError
 
+SPRINTER = "sprinter@"  # row names of SPRINTER's configurations: sprinter@<threshold>
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
@@ -36,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thresholds", default="0.3,0.5,0.7", help="comma-separated SPRINTER thresholds")
     parser.add_argument("--max-run", type=int, default=16)
     parser.add_argument("--k", type=int, default=8, help="exact speculative decoding's draft length")
+    parser.add_argument("--policies", default="specdecpp,adaedl",
+                        help="draft-length policy specs run as exact rows beside fixed k, comma-separated (';' "
+                             "when a spec holds commas); trained heads are found beside the drafter; '' for none")
     parser.add_argument("--set", default="indist", help="eval set")
     parser.add_argument("--limit", type=int, default=8, help="prompts")
     parser.add_argument("--seeds", type=int, default=2, help="seeds per prompt")
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, speculative_generate
     from steerspec.models import cached_lm, context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
-    from steerspec.policies import FixedK
+    from steerspec.policies import FixedK, PolicyContext, PolicyError, make_policy, split_specs
     from steerspec.sampling import SamplingParams, probs_from_logits
     from steerspec.sprinter import theory
     from steerspec.sprinter.decoding import sprinter_generate
@@ -148,8 +155,18 @@ def run(args: argparse.Namespace) -> int:
         return _run_services(args, verifier_model, drafter_model, prompts, eos, thresholds, loaded)
 
     configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k))}
+    context = PolicyContext(drafter_dir=str(ddir), drafter=drafter_model, device=args.device)
+    specs = split_specs(args.policies)
+    try:
+        for spec in specs:
+            make_policy(spec, context)  # a bad spec or a missing head is one line before any run
+    except PolicyError as exc:
+        raise UsageError(f"--policies: {exc}") from None
+    for spec in specs:  # a fresh policy per sequence, as a new session gets
+        configs[spec] = (lambda spec: lambda ids, cfg: speculative_generate(
+            verifier, drafter, ids, cfg, make_policy(spec, context)))(spec)
     for t in thresholds:
-        configs[f"sprinter@{t:g}"] = (lambda t: lambda ids, cfg: sprinter_generate(
+        configs[f"{SPRINTER}{t:g}"] = (lambda t: lambda ids, cfg: sprinter_generate(
             verifier, drafter, ids, cfg, loaded.head, threshold=t, max_run=args.max_run, lam=loaded.lam))(t)
     configs["exact"](prompts[0], base)  # warm-up
 
@@ -172,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
                "ms_per_token_mean": statistics.mean(ms_per_token), "ms_per_token_std": statistics.pstdev(ms_per_token),
                "tokens_per_s": {f"{r:g}": tokens / (wall + calls * r / 1000) for r in rtts},
                "nll_per_token": sum(n for n, _ in nll) / max(1, sum(c for _, c in nll)), "_lls": lls,
-               "lossy": name != "exact"}
-        if name != "exact":
+               "lossy": name.startswith(SPRINTER)}
+        if row["lossy"]:
             tp, fn, fp, tn = (sum(getattr(r, f) for r in results) for f in ("tp", "fn", "fp", "tn"))
             eta_tp = tp / (tp + fn) if tp + fn else 0.0
             eta_fp = fp / (fp + tn) if fp + tn else 0.0
@@ -210,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     sampled = {}
     if args.tv_samples > 0:
         for name, generate in configs.items():
+            if name in specs:  # exact too: exact decoding's sampled d_TV is the noise floor already
+                continue
             sampled[name] = _sampled_tv(generate, prompts[0], base, args.tv_samples, p_first)
             rows[name]["first_token_tv_sampled"] = sampled[name]
 
@@ -220,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         cells = [name, f"{row['tokens_per_call']:.2f}",
                  f"{row['ms_per_token_mean']:.2f}±{row['ms_per_token_std']:.2f}"]
         cells += [f"{row['speedup'][f'{r:g}']:.2f}" for r in rtts]
-        if name == "exact":
+        if not row["lossy"]:
             cells += ["-", "-", "-", "0", f"{row.get('first_token_tv_sampled', float('nan')):.3f}", "-", "-"]
         else:
             cells += [f"{row['eta_tp']:.3f}", f"{row['eta_fp']:.3f}", f"{row['tv_bound']:.3f}",
@@ -230,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         print(" | ".join(cells))
     payload = {"bench": "sprinter", "verifier": str(args.verifier), "drafter": str(args.drafter),
                "head": str(loaded.path), "lambda": loaded.lam, "temperature": args.temperature, "k": args.k,
-               "max_run": args.max_run, "prompts": len(prompts), "seeds": args.seeds,
+               "policies": specs, "max_run": args.max_run, "prompts": len(prompts), "seeds": args.seeds,
                "max_new_tokens": args.max_new_tokens, "rtts_ms": rtts, "tv_samples": args.tv_samples,
                "rtt_model": "tokens / (in-process wall + verifier calls * RTT)", "rows": rows,
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -277,7 +296,7 @@ def _plot(rows: Dict[str, Dict], rtts: List[float], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    lossy = [(n, r) for n, r in rows.items() if n != "exact"]
+    lossy = [(n, r) for n, r in rows.items() if r["lossy"]]
     for rtt in rtts:
         xs = [r["ppl_ratio"] for _, r in lossy]
         ys = [r["speedup"][f"{rtt:g}"] for _, r in lossy]

@@ -12,8 +12,8 @@ from steerspec.policies.gammatune import GammaTune, GammaTunePlus
 from steerspec.policies.latency import LatencyAware
 from steerspec.policies.specdecpp import SpecDecPP
 from steerspec.policies.pacer import Pacer
-from steerspec.policies.registry import PolicyContext, PolicyError, known_policies, make_policy, max_block, parse_spec
+from steerspec.policies.registry import PolicyContext, PolicyError, known_policies, make_policy, max_block, parse_spec, split_specs
 
 __all__ = ["AdaEDL", "AssistantThreshold", "GammaTune", "GammaTunePlus", "Heuristic", "LatencyAware",
            "Pacer", "SpecDecPP", "BlockFeedback", "DraftLengthPolicy", "DraftStep", "FixedK", "PolicyBase", "PolicyContext",
-           "PolicyError", "known_policies", "make_policy", "max_block", "parse_spec"]
+           "PolicyError", "known_policies", "make_policy", "max_block", "parse_spec", "split_specs"]

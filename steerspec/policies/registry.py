@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from steerspec.policies.base import DraftLengthPolicy
 
@@ -112,6 +112,12 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
             raise PolicyError(f"policy {name}: {key} given twice")
         params[key] = _convert(name, key, entry.keys[key], raw.strip())
     return name, params
+
+
+def split_specs(text: str) -> List[str]:
+    """A list of policy specs from one option: comma-separated, or ';'-separated when a spec holds commas."""
+    sep = ";" if ";" in text else ","
+    return [spec.strip() for spec in text.split(sep) if spec.strip()]
 
 
 def max_block(spec: str) -> int:
