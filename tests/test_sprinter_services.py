@@ -158,7 +158,11 @@ async def test_bench_services_mode_measures_both_through_the_services(bundled):
 
     verifier, drafter, head = bundled
     rows = await sprinter_services.measure(verifier, drafter, PROMPTS[:1], seeds=1, rtts=[0.0], thresholds=[0.3],
-                                           max_run=8, k=4, max_new_tokens=12, temperature=1.0, eos=())
+                                           max_run=8, k=4, max_new_tokens=12, temperature=1.0, eos=(),
+                                           policies=("specdecpp", "adaedl"))
+    assert list(rows["0"]) == ["exact", "specdecpp", "adaedl", "sprinter@0.3"]
+    for name in ("specdecpp", "adaedl"):  # SPRINTER's Table 2 baselines: exact rows through the same services
+        assert rows["0"][name]["tokens"] == 12 and "eta_fp" not in rows["0"][name]
     exact, lossy = rows["0"]["exact"], rows["0"]["sprinter@0.3"]
     assert exact["tokens"] == lossy["tokens"] == 12 and exact["speedup"] == 1.0
     assert lossy["verifier_calls"] < lossy["tokens"] and lossy["wall_s"] > 0
@@ -168,7 +172,7 @@ async def test_bench_services_mode_measures_both_through_the_services(bundled):
     want = sprinter_generate(cached_lm(verifier), cached_lm(drafter), PROMPTS[0], config, head.head, threshold=0.3,
                              max_run=8).theory()
     assert "eta_fp" not in exact and {key: lossy[key] for key in want} == want
-    assert len(sprinter_services.table(rows)) == 3
+    assert len(sprinter_services.table(rows)) == 5
 
 
 async def test_run_ending_on_a_kept_eos_counts_its_length_without_labels(bundled):

@@ -151,10 +151,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = [p for p in prompts if p][: args.limit]
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, eos_token_ids=eos, max_length=limit)
 
-    if args.services:
-        return _run_services(args, verifier_model, drafter_model, prompts, eos, thresholds, loaded)
-
-    configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k))}
     context = PolicyContext(drafter_dir=str(ddir), drafter=drafter_model, device=args.device)
     specs = split_specs(args.policies)
     try:
@@ -162,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
             make_policy(spec, context)  # a bad spec or a missing head is one line before any run
     except PolicyError as exc:
         raise UsageError(f"--policies: {exc}") from None
+    if args.services:
+        return _run_services(args, verifier_model, drafter_model, prompts, eos, thresholds, loaded, specs)
+
+    configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k))}
     for spec in specs:  # a fresh policy per sequence, as a new session gets
         configs[spec] = (lambda spec: lambda ids, cfg: speculative_generate(
             verifier, drafter, ids, cfg, make_policy(spec, context)))(spec)
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thresholds, loaded) -> int:
+def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thresholds, loaded, specs) -> int:
     """--services: tokens/s of exact and SPRINTER through the services at emulated RTTs (measured ratios)."""
     import asyncio
 
@@ -273,13 +273,13 @@ def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thr
     rows = asyncio.run(sprinter_services.measure(
         verifier, drafter, prompts, seeds=args.seeds, rtts=rtts, thresholds=thresholds, max_run=args.max_run,
         k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos=eos,
-        sprinter_head=args.sprinter_head))
+        sprinter_head=args.sprinter_head, policies=specs))
     for line in sprinter_services.table(rows):
         print(line)
     payload = {"bench": "sprinter", "mode": "services", "verifier": str(args.verifier), "drafter": str(args.drafter),
                "head": str(loaded.path), "temperature": args.temperature, "k": args.k, "max_run": args.max_run,
                "prompts": len(prompts), "seeds": args.seeds, "max_new_tokens": args.max_new_tokens,
-               "rtts_ms": rtts, "threads": args.threads, "rows": rows,
+               "rtts_ms": rtts, "threads": args.threads, "policies": specs, "rows": rows,
                "rtt_model": "measured: services on 127.0.0.1, coordinator-verifier link emulated (linkemu)",
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)

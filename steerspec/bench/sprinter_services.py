@@ -2,8 +2,8 @@
 
 One LocalCluster (verifier, drafter and a coordinator started with allow_lossy, gRPC on 127.0.0.1)
 per run; the coordinator↔verifier link is emulated by steerspec/linkemu.py at each --services-rtts
-value. For every (prompt, seed) the configurations run back to back (exact with fixed k, then
-SPRINTER at each threshold), so load drifts on a shared machine hit them alike; tokens/s is
+value. For every (prompt, seed) the configurations run back to back (exact with fixed k, exact under
+each draft-length policy of --policies, then SPRINTER at each threshold), so load drifts on a shared machine hit them alike; tokens/s is
 generated tokens over the summed wall time of each configuration's generations, and the speedup
 is its ratio to exact's at the same RTT, measured in the same run (not modelled).
 """
@@ -16,7 +16,8 @@ from typing import Dict, List, Sequence
 
 async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds: int, rtts: Sequence[float],
                   thresholds: Sequence[float], max_run: int, k: int, max_new_tokens: int, temperature: float,
-                  eos: Sequence[int], sprinter_head=None) -> Dict[str, Dict[str, Dict[str, float]]]:
+                  eos: Sequence[int], sprinter_head=None, policies: Sequence[str] = ()
+                  ) -> Dict[str, Dict[str, Dict[str, float]]]:
     """{f"{rtt:g}": {config: {tokens, verifier_calls, wall_s, tokens_per_s, tokens_per_call, speedup}}}; SPRINTER
     configurations also carry the verifier's labels pooled over their runs (`SprinterTally.theory`: eta_tp,
     eta_fp, tv_pq, tv_bound, mean_run_length, expected_run_length)."""
@@ -24,24 +25,27 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
     from steerspec.linkemu import LinkModel
     from steerspec.sprinter.labels import SprinterTally
 
-    configs = {"exact": "exact", **{f"sprinter@{t:g}": f"sprinter:threshold={t:g},max_run={max_run}"
-                                    for t in thresholds}}
+    # name -> (verification, draft-length policy); the policy rows are exact too
+    configs = {"exact": ("exact", "fixed"), **{spec: ("exact", spec) for spec in policies},
+               **{f"sprinter@{t:g}": (f"sprinter:threshold={t:g},max_run={max_run}", "fixed") for t in thresholds}}
     options = {"sprinter_head": str(sprinter_head)} if sprinter_head else {}
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     async with LocalCluster(verifier, drafter, tokenizer=None, eos_ids=tuple(eos), allow_lossy=True,
                             drafter_options=options) as cluster:
-        for spec in configs.values():  # warm-up: the head loads, the caches allocate
-            await cluster.generate(prompts[0], max_new_tokens=4, k=k, temperature=temperature, verification=spec)
+        for spec, policy in configs.values():  # warm-up: the heads load, the caches allocate
+            await cluster.generate(prompts[0], max_new_tokens=4, k=k, temperature=temperature, verification=spec,
+                                   policy=policy)
         for rtt in rtts:
             cluster.set_link(LinkModel(rtt_ms=rtt).validate())
             sums = {name: {"tokens": 0, "verifier_calls": 0, "wall_s": 0.0} for name in configs}
             tallies: Dict[str, List[SprinterTally]] = {name: [] for name in configs}
             for i, ids in enumerate(prompts):
                 for s in range(seeds):
-                    for name, spec in configs.items():
+                    for name, (spec, policy) in configs.items():
                         start = time.perf_counter()
                         result = await cluster.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                        seed=1000 * i + s, k=k, verification=spec, timeout=600)
+                                                        seed=1000 * i + s, k=k, verification=spec, policy=policy,
+                                                        timeout=600)
                         row = sums[name]
                         row["wall_s"] += time.perf_counter() - start
                         row["tokens"] += result.generated
