@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from steerspec.policies.base import MAX_K, BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
 from steerspec.policies.registry import Key, register
 
 

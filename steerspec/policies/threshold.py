@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from steerspec.policies.base import MAX_K, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.base import DraftStep, PolicyBase, check_k, check_open_unit
 from steerspec.policies.registry import Key, register
 
 
