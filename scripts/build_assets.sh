@@ -4,7 +4,8 @@
 #        bash scripts/build_assets.sh smollm2        the three drafters for the real verifier `smollm2`: pretrained
 #        (code corpus), then the verifier's synthetic answers, then distilled and sd2 from pretrained on them
 #        (runs/smollm2/, every step resumable: rerun to continue; installed as assets/models/smollm2-*;
-#        the two last steps can run as two parallel jobs of 1 thread each)
+#        the distilled and sd2 steps can run as two parallel jobs of 1 thread each; smollm2-heads then trains each
+#        drafter's Pacer, SpecDec++ and SPRINTER heads, SMOLLM2_HEADS_DRAFTERS choosing which drafters)
 # Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
 # The shipped pair was made exactly so (verifier 600 steps, drafter 300 steps, 1 thread each, the two
 # training steps run as two parallel jobs: `build_assets.sh verifier & build_assets.sh drafter`); the
@@ -37,7 +38,7 @@ for step in "${STEPS[@]}"; do
                  --steps "$VERIFIER_STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 --seed 1234 --threads "$THREADS" --resume ;;
     drafter)   $PY -m steerspec train base --role drafter --out $RUNS/pretrained --tokenizer $RUNS/tokenizer \
                  --steps "$DRAFTER_STEPS" --batch-size 16 --seq-len 256 --lr 3e-3 --seed 1234 --threads "$THREADS" --resume ;;
-    smollm2)   "$0" smollm2-pretrained smollm2-synth smollm2-distilled smollm2-sd2 ;;
+    smollm2)   "$0" smollm2-pretrained smollm2-synth smollm2-distilled smollm2-sd2 smollm2-heads ;;
     smollm2-pretrained)
                $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
                  --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
@@ -64,6 +65,19 @@ for step in "${STEPS[@]}"; do
                cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \
                  $ASSETS/models/$step/
                if [ "$kind" = sd2 ]; then cp runs/smollm2/sd2/steering.{json,safetensors} $ASSETS/models/$step/; fi ;;
+    smollm2-heads)  # Pacer's and SpecDec++'s draft-length heads and the SPRINTER classifier of each drafter,
+               # written into the drafter's package directory; one one-thread worker per drafter
+               pids=()
+               for d in ${SMOLLM2_HEADS_DRAFTERS:-smollm2-pretrained smollm2-distilled smollm2-sd2}; do
+                 ( for kind in pacer specdecpp; do
+                     $PY -m steerspec train $kind --verifier smollm2 --drafter $d --work runs/smollm2/heads-$d \
+                       --prompts 80 --gamma 20 --stride 4 --epochs 8 --seed 0 --threads 1
+                   done
+                   $PY -m steerspec train sprinter --verifier smollm2 --drafter $d --work runs/smollm2/sprinter-$d \
+                     --lambda 1 --train-tokens 60000 --heldout-tokens 10000 --epochs 8 --seed 0 --threads 1 ) &
+                 pids+=($!)
+               done
+               for pid in "${pids[@]}"; do wait "$pid"; done ;;
     install)   install_model $RUNS/verifier $ASSETS/models/verifier
                install_model $RUNS/pretrained $ASSETS/models/pretrained ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;

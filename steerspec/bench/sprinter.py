@@ -153,18 +153,17 @@ def run(args: argparse.Namespace) -> int:
 
     context = PolicyContext(drafter_dir=str(ddir), drafter=drafter_model, device=args.device)
     specs = split_specs(args.policies)
-    try:
-        for spec in specs:
-            make_policy(spec, context)  # a bad spec or a missing head is one line before any run
+    try:  # a bad spec or a missing head is one line before any run; each policy is built (its head loaded) once
+        policies = {spec: make_policy(spec, context) for spec in specs}
     except PolicyError as exc:
         raise UsageError(f"--policies: {exc}") from None
     if args.services:
         return _run_services(args, verifier_model, drafter_model, prompts, eos, thresholds, loaded, specs)
 
     configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k))}
-    for spec in specs:  # a fresh policy per sequence, as a new session gets
-        configs[spec] = (lambda spec: lambda ids, cfg: speculative_generate(
-            verifier, drafter, ids, cfg, make_policy(spec, context)))(spec)
+    for spec, policy in policies.items():  # speculative_generate resets the policy at the start of each sequence
+        configs[spec] = (lambda policy: lambda ids, cfg: speculative_generate(
+            verifier, drafter, ids, cfg, policy))(policy)
     for t in thresholds:
         configs[f"{SPRINTER}{t:g}"] = (lambda t: lambda ids, cfg: sprinter_generate(
             verifier, drafter, ids, cfg, loaded.head, threshold=t, max_run=args.max_run, lam=loaded.lam))(t)

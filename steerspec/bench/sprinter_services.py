@@ -22,12 +22,13 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
     configurations also carry the verifier's labels pooled over their runs (`SprinterTally.theory`: eta_tp,
     eta_fp, tv_pq, tv_bound, mean_run_length, expected_run_length)."""
     from coordinator.local import LocalCluster
+    from steerspec.bench.sprinter import SPRINTER
     from steerspec.linkemu import LinkModel
     from steerspec.sprinter.labels import SprinterTally
 
     # name -> (verification, draft-length policy); the policy rows are exact too
     configs = {"exact": ("exact", "fixed"), **{spec: ("exact", spec) for spec in policies},
-               **{f"sprinter@{t:g}": (f"sprinter:threshold={t:g},max_run={max_run}", "fixed") for t in thresholds}}
+               **{f"{SPRINTER}{t:g}": (f"sprinter:threshold={t:g},max_run={max_run}", "fixed") for t in thresholds}}
     options = {"sprinter_head": str(sprinter_head)} if sprinter_head else {}
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     async with LocalCluster(verifier, drafter, tokenizer=None, eos_ids=tuple(eos), allow_lossy=True,
