@@ -8,6 +8,8 @@ import pytest
 from safetensors import safe_open
 
 from steerspec.cli import main
+from steerspec.policies import PolicyContext, make_policy
+from steerspec.train.pacer_tune import B_GRID
 
 
 def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
@@ -26,6 +28,14 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
         assert (tmp_path / f"{kind}_MODEL_CARD.md").read_text().count("ROC AUC") == 1
         heads[kind] = out
     assert (tmp_path / "work" / "labels.pt").is_file()  # labels shared by both kinds
+    with safe_open(str(heads["pacer"]), framework="pt") as handle:  # Pacer's b, t, rho tuned on held-out blocks
+        tuned = json.loads(handle.metadata()["meta"])["tuned"]
+    assert tuned["b"] in B_GRID and 0 < tuned["t"] < 1 and tuned["blocks"] >= 1 and tuned["draft_ms"] > 0
+    assert "Tuned (the policy's defaults" in (tmp_path / "pacer_MODEL_CARD.md").read_text()
+    pacer = make_policy(f"pacer:head={heads['pacer']}", PolicyContext())
+    assert (pacer.b, pacer.t0, pacer.rho) == (tuned["b"], tuned["t"], tuned["rho"])
+    own = make_policy(f"pacer:head={heads['pacer']},b=3,t=0.45,rho=1", PolicyContext())
+    assert (own.b, own.t0, own.rho) == (3, 0.45, 1.0)  # a spec's own values win
 
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     policies = (f"fixed;gammatune+;latency;specdecpp:head={heads['specdecpp']};pacer:head={heads['pacer']},b=2")

@@ -110,6 +110,14 @@ def load_head(kind: str, path: os.PathLike, hidden_size: Optional[int], device: 
     return module.to(device).eval()
 
 
+def head_meta(path: os.PathLike) -> Dict[str, Any]:
+    """The `meta` a head was saved with (training report, Pacer's tuned defaults); {} when it has none."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return json.loads((handle.metadata() or {}).get("meta", "{}"))
+
+
 def context_hidden_size(context: Any) -> Optional[int]:
     """The drafter's hidden size from a PolicyContext (None when unknown)."""
     if context is None:

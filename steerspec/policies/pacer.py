@@ -7,8 +7,9 @@ drafts of this block and of up to `ctx` earlier accepted tokens (the paper's h_x
 the drafts the verifier accepted; a bonus/correction token has no drafter state and is skipped).
 If the mean predicted acceptance of the round is ≤ t the block ends (verification);
 otherwise t <- t·ρ and another round follows. t restarts at its initial value every block.
-The block is capped at `max` drafts. Defaults are Table 10's HumanEval values (b=4, t=0.7,
-ρ=1.05). The head is trained by `steerspec train pacer`.
+The block is capped at `max` drafts. b, t and ρ default to the values `steerspec train pacer`
+tuned for the head on the training split (stored in the head; `steerspec/train/pacer_tune.py`),
+else to Table 10's HumanEval values (b=4, t=0.7, ρ=1.05); a spec's own values always win.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
-from steerspec.policies.heads import context_hidden_size, head_path, load_head
+from steerspec.policies.heads import context_hidden_size, head_meta, head_path, load_head
 from steerspec.policies.registry import Key, register
 
 
-@register("pacer", {"b": Key(int, 4, "pre-verification block size"),
-                    "t": Key(float, 0.7, "initial stop threshold on the round's mean acceptance"),
-                    "rho": Key(float, 1.05, "threshold growth per round"),
+TABLE10 = {"b": 4, "t": 0.7, "rho": 1.05}
+
+
+@register("pacer", {"b": Key(int, 4, "pre-verification block size (default: the head's tuned value, else 4)"),
+                    "t": Key(float, 0.7, "initial stop threshold on the round's mean acceptance (tuned, else 0.7)"),
+                    "rho": Key(float, 1.05, "threshold growth per round (tuned, else 1.05)"),
                     "max": Key(int, 32, "cap on drafts per block"),
                     "ctx": Key(int, 32, "accepted hidden states kept as context"),
                     "head": Key(str, "", "head file (default: <drafter>/policy_heads/pacer.safetensors)")},
@@ -36,10 +40,14 @@ class Pacer(PolicyBase):
     stops_early = True
     needs_hidden = True
 
-    def __init__(self, b: int = 4, t: float = 0.7, rho: float = 1.05, max: int = 32, ctx: int = 32,
-                 head: str = "", context: Optional[Any] = None) -> None:
-        self.b = check_k(b, "b")
-        self.t0 = check_open_unit(t, "t")
+    def __init__(self, b: Optional[int] = None, t: Optional[float] = None, rho: Optional[float] = None,
+                 max: int = 32, ctx: int = 32, head: str = "", context: Optional[Any] = None) -> None:
+        path = head or head_path("pacer", getattr(context, "drafter_dir", None))
+        self.layer = load_head("pacer", path, context_hidden_size(context))
+        defaults = {**TABLE10, **{k: v for k, v in head_meta(path).get("tuned", {}).items() if k in TABLE10}}
+        b, t, rho = (defaults[k] if v is None else v for k, v in (("b", b), ("t", t), ("rho", rho)))
+        self.b = check_k(int(b), "b")
+        self.t0 = check_open_unit(float(t), "t")
         if not 1.0 <= rho <= 2.0:
             raise ValueError(f"rho must be in [1, 2], got {rho}")
         self.rho = float(rho)
@@ -47,8 +55,6 @@ class Pacer(PolicyBase):
         if not 0 <= ctx <= 256:
             raise ValueError(f"ctx must be in [0, 256], got {ctx}")
         self.ctx = int(ctx)
-        path = head or head_path("pacer", getattr(context, "drafter_dir", None))
-        self.layer = load_head("pacer", path, context_hidden_size(context))
         self.reset()
 
     def reset(self) -> None:

@@ -19,7 +19,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,32 @@ Command: `{command}`
 """
 
 
+TUNED_CARD = """Tuned (the policy's defaults for this head): b={b}, t={t}, rho={rho}, chosen on the held-out blocks by
+replaying Pacer's stop rule under the measured block cost (draft {draft_ms:.2f} ms per token, verify {v0:.1f} +
+{v1:.2f}·tokens ms, network {rtt_ms:g} ms): modelled {tokens_per_s:.2f} tokens/s with {mean_drafts:.2f} drafts per
+block, {gain_over_best_fixed:.3f}x the best fixed k ({best_fixed_k}) replayed the same way.
+"""
+
+
+def tune_pacer(layer, heldout, verifier, drafter, args) -> Optional[Dict[str, float]]:
+    """Pacer's (b, t, rho) for this head: replayed on the held-out blocks under the pair's measured costs
+    (None when no held-out block had every draft judged: the policy then keeps Table 10's values)."""
+    from steerspec.models import cached_lm
+    from steerspec.train.pacer_tune import measure_costs, tune
+
+    full = heldout["valid"].bool().all(dim=1)  # blocks whose every draft was judged
+    if not bool(full.any()):
+        return None
+    with torch.no_grad():
+        acceptance = torch.sigmoid(_pacer_logits(layer, _subset(heldout, full.nonzero().squeeze(1))))
+    accepted = heldout["label"][full].sum(dim=1).long()
+    probe = list(range(100, 164))  # a 64-token context: the cost of a step, not of any particular text
+    cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, rtt_ms=args.tune_rtt_ms)
+    result = tune(acceptance, accepted, cost, cap=args.gamma)
+    return {**result, "blocks": int(full.sum()), "draft_ms": round(cost.draft_ms, 3), "v0": round(cost.v0, 3),
+            "v1": round(cost.v1, 3), "rtt_ms": cost.rtt_ms}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="verifier", help="verifier checkpoint dir or bundled name")
     parser.add_argument("--drafter", default="pretrained", help="drafter checkpoint dir or bundled name")
@@ -57,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="relabel and restart training")
+    parser.add_argument("--tune-rtt-ms", type=float, default=0.0,
+                        help="pacer: network ms per block assumed when tuning b, t and rho (0: in-process)")
 
 
 def training_prompts(tokenizer, count: int, seed: int) -> List[List[int]]:
@@ -260,10 +288,13 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     head = build_head(kind, config)
     losses = fit(kind, head, train, args, work, resume)
     metrics = evaluate(kind, head, heldout)
+    tuned = tune_pacer(head, heldout, verifier, drafter, args) if kind == "pacer" else None
     command = (f"steerspec train {kind} --verifier {args.verifier} --drafter {args.drafter} --prompts {args.prompts} "
                f"--gamma {args.gamma} --stride {args.stride} --epochs {args.epochs} --seed {args.seed}")
     meta = {"verifier": vdir.name, "drafter": ddir.name, "heldout": metrics, "losses": [round(x, 6) for x in losses],
             "command": command}
+    if tuned:
+        meta["tuned"] = tuned
     save_head(out, kind, head, config, meta)
     params = sum(p.numel() for p in head.parameters())
     what = ("SpecDec++ rejection head (LayerNorm, Linear, SiLU, Linear): P(draft rejected | earlier accepted)"
@@ -277,6 +308,9 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
                              train_blocks=len(train["label"]), held_blocks=len(heldout["label"]),
                              epochs=args.epochs, lr=args.lr, batch=args.batch_size, seed=args.seed,
                              positive="rejected" if kind == "specdecpp" else "accepted", command=command, **metrics)
+    if tuned:
+        card += TUNED_CARD.format(**tuned)
     out.with_name(f"{kind}_MODEL_CARD.md").write_text(card)
-    print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"]}))
+    print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"],
+                      **({"tuned": tuned} if tuned else {})}))
     return 0
