@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import grpc
 import torch
@@ -75,6 +75,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
                                     max_batch=config.max_sessions)
         self._head = None  # the SPRINTER head, loaded by the first lossy session
+        self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
         try:
@@ -152,14 +153,17 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                 raise wire.invalid(f"sprinter max_run {k} exceeds the limit of {MAX_K} draft tokens per block")
         spec = "fixed" if loaded is not None else (msg.policy or self.config.policy)  # sprinter: runs end by its head
         policy = resolve_policy(spec, k, self.table.model)
-        if msg.policy_state:
+        if msg.policy_state:  # a failover: the session's own state
             load_policy_state(policy, msg.policy_state)
+        elif getattr(policy, "warm_start", False) and spec in self._warm:
+            load_policy_state(policy, self._warm[spec])  # what earlier sessions learned about this pair and link
+            policy.reset()
         steering = self._steering(msg.steering, "DraftOpen.steering")
         generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)
         ids = prompt.tolist()
         session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
-                                  max_new_tokens=int(msg.max_new_tokens), steering=steering)
+                                  max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec)
         if loaded is not None:
             from steerspec.sprinter.decoding import SprinterScorer
 
@@ -194,6 +198,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if session.sprinter is not None:
             block.head_kept, block.sprinter_lambda = out.head_kept, session.sprinter.lam
         block.policy_state = policy_state(session.policy)
+        if getattr(session.policy, "warm_start", False):
+            self._warm[session.policy_spec] = block.policy_state
         if self._tracer is not None:
             self._tracing.record_span(self._tracer, self._tracing.DRAFTER_DRAFT_SPAN, start_ns,
                                       start_ns + int(out.draft_ms * 1e6),

@@ -112,6 +112,7 @@ class DrafterSession:
     policy: object
     max_new_tokens: int  # 0 = no limit
     steering: Optional[Tensor] = None
+    policy_spec: str = ""  # the registry spec the policy was built from (key of the warm-start state)
     sprinter: Optional[SprinterRun] = None  # lossy SPRINTER session (None: exact)
     seq: int = 0
     proposal: Optional[Proposal] = None

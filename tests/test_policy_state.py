@@ -92,3 +92,34 @@ def test_cli_refuses_a_bad_policy_in_one_line(capsys, model_pair):
         code = main(["run", "x", "--policy", spec, "--verifier", str(verifier), "--drafter", str(drafter)])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1 and known in err
+
+
+@register("test_warm", {"k": Key(int, 3, "upper bound")}, doc="test: a warm-start policy that counts blocks")
+class WarmCounting(CountingPolicy):
+    """CountingPolicy whose count describes the deployment: new sessions start from the latest one's."""
+
+    name = "test_warm"
+    warm_start = True
+
+    def reset(self) -> None:
+        RESETS.append(self.blocks)
+
+
+RESETS: List[int] = []
+
+
+async def test_a_warm_start_policy_starts_new_sessions_from_the_latest_state(tiny_pair):
+    verifier, drafter = tiny_pair
+    LOADED.clear()
+    RESETS.clear()
+    async with LocalCluster(str(verifier), str(drafter), eos_ids=()) as c:
+        async with c.client(retries=0) as client:
+            first = await client.acomplete(prompt_ids=PROMPT, max_new_tokens=12, k=3, policy="test_warm:k=3")
+            assert LOADED == []  # the first session of a spec starts from the policy's priors
+            await client.acomplete(prompt_ids=PROMPT, max_new_tokens=12, k=3, policy="test_warm:k=3")
+            assert len(LOADED) == 1 and LOADED[0]["blocks"] == first.rounds - 1  # state sent with its last block
+            assert RESETS == [LOADED[0]["blocks"]]  # then reset for the new sequence, keeping what it learned
+            await client.acomplete(prompt_ids=PROMPT, max_new_tokens=12, k=3, policy="test_warm:k=2")
+            assert len(LOADED) == 1  # another spec is another policy: no state shared
+            await client.acomplete(prompt_ids=PROMPT, max_new_tokens=12, k=3, policy="test_counting:k=3")
+            assert len(LOADED) == 1  # a policy without warm_start always starts fresh

@@ -84,6 +84,10 @@ class PolicyBase:
     name = "base"
     stops_early = False
     needs_hidden = False
+    # True when the state describes the pair and the link, not a sequence: a drafter service then starts
+    # each new session of the same spec from its latest session's state, as one policy object in process
+    # carries it from sequence to sequence
+    warm_start = False
     max_k = MAX_K
 
     def next_k(self) -> int:  # pragma: no cover - abstract

@@ -21,7 +21,8 @@ lowers it). o is no part of a draft's marginal cost: a large o keeps drafting.
 Exploration: the first block drafts min(4, max); until blocks of two lengths were measured (the
 lines are not identified), for at most the first 4 blocks, k avoids the measured length (best,
 else that length ± 2) and the stop is off. The estimates survive `reset` (a new sequence on the
-same pair and link).
+same pair and link) and, through the services, a drafter service starts each new `latency`
+session from the state of its latest one (`warm_start`), so only the first session explores.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class LatencyAware(PolicyBase):
 
     name = "latency"
     stops_early = True
+    warm_start = True  # a drafter service starts new sessions from what the last one learned
 
     def __init__(self, max: int = 32, a0: float = 0.7, beta: float = 0.2, stop: bool = True,
                  context: Optional[Any] = None) -> None:
