@@ -252,7 +252,7 @@ def evaluate(kind: str, head, data) -> Dict[str, float]:
 def run_kind(kind: str, args: argparse.Namespace) -> int:
     from steerspec.models import load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies.heads import HEADS_DIR, build_head, save_head
-    from steerspec.train._common import seed_everything
+    from steerspec.train._common import seed_everything, unsteered_note
 
     if args.gamma < 2 or args.prompts < 4 or args.stride < 1 or args.epochs < 1:
         raise UsageError("need --gamma >= 2, --prompts >= 4, --stride >= 1, --epochs >= 1")
@@ -310,6 +310,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
                              positive="rejected" if kind == "specdecpp" else "accepted", command=command, **metrics)
     if tuned:
         card += TUNED_CARD.format(**tuned)
+    card += unsteered_note(ddir)
     out.with_name(f"{kind}_MODEL_CARD.md").write_text(card)
     print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"],
                       **({"tuned": tuned} if tuned else {})}))

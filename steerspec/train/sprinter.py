@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.data.corpus import stdlib_split
     from steerspec.sprinter.features import feature_dim
     from steerspec.sprinter.head import SprinterHead, head_dir_for, save_head
-    from steerspec.train._common import seed_everything
+    from steerspec.train._common import seed_everything, unsteered_note
 
     if not 0.0 < args.threshold < 1.0:
         raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")
@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         lam=args.lam, seq_len=args.seq_len, draft_top_k=args.draft_top_k, train_tokens=len(data["train"]["y"]),
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
-                                                      ("roc_auc", "eta_tp", "eta_fp", "acceptable_fraction")}))
+                                                      ("roc_auc", "eta_tp", "eta_fp", "acceptable_fraction")})
+        + unsteered_note(ddir))
     print(json.dumps({"out": str(out), "heldout": metrics, "train": train_metrics, "params": params}))
     return 0
