@@ -70,3 +70,24 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
 def test_bench_policies_bad_flags_exit_2(argv, fragment, capsys):
     assert main(["bench", "policies", *argv]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_an_sd2_drafter_labels_its_blocks_steered():
+    """Heads for an SD² drafter learn from the states it decodes with: its labelled blocks are drafted
+    steered by the verifier's vector at each block start; the hooks are gone afterwards."""
+    import argparse
+
+    import torch
+
+    from steerspec.models import load_model, resolve_model_dir
+    from steerspec.train.policy_heads import label_blocks
+
+    ddir = resolve_model_dir("sd2")
+    verifier, drafter = load_model(resolve_model_dir("verifier")).eval(), load_model(ddir).eval()
+    args = argparse.Namespace(answer_tokens=12, gamma=4, stride=4, ctx=8)
+    prompts = [[5, 17, 42, 9, 33, 7]]
+    plain = label_blocks(verifier, drafter, prompts, args, "plain")
+    steered = label_blocks(verifier, drafter, prompts, args, "steered", drafter_dir=ddir)
+    assert plain["hidden"].shape == steered["hidden"].shape
+    assert not torch.allclose(plain["hidden"].float(), steered["hidden"].float())
+    assert torch.equal(label_blocks(verifier, drafter, prompts, args, "again")["hidden"], plain["hidden"])

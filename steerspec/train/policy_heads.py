@@ -105,15 +105,25 @@ def training_prompts(tokenizer, count: int, seed: int) -> List[List[int]]:
     return out
 
 
+STEERED_NOTE = ("\nThis SD² drafter drafted its labelled blocks steered, as it decodes: before each block the\n"
+                "verifier's steering vector from its hidden states at the block start (the prefix itself\n"
+                "was fed unsteered in one pass).\n")
+
+
 @torch.inference_mode()
-def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str) -> Dict[str, torch.Tensor]:
+def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str,
+                 drafter_dir=None) -> Dict[str, torch.Tensor]:
     """Per block: draft hidden [B, γ, D], labels [B, γ] (1 until the first mismatch), valid [B, γ],
-    prefix context [B, C, D] (zero-padded on the left) and its mask [B, C]; prompt index [B]."""
+    prefix context [B, C, D] (zero-padded on the left) and its mask [B, C]; prompt index [B].
+    An SD² drafter (steering weights in `drafter_dir`) drafts each block steered by the verifier's
+    vector at that block's start, as in decoding, so the head sees the states it will see."""
     from steerspec.engine import DecodeConfig, autoregressive_generate
     from steerspec.models import cached_lm
+    from steerspec.steering.runtime import maybe_steering
     from steerspec.train._common import progress
 
     v, d = cached_lm(verifier), cached_lm(drafter)
+    steer = maybe_steering(d, drafter_dir, device=d.device) if drafter_dir is not None else None
     final = [d.num_layers]
     size, gamma, ctx = d.hidden_size, args.gamma, args.ctx
     config = DecodeConfig(max_new_tokens=args.answer_tokens, eos_token_ids=(), max_length=100000)
@@ -122,11 +132,18 @@ def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str) -
     for p, prompt in enumerate(prompts):
         answer = autoregressive_generate(v, prompt, config).token_ids
         full = list(prompt) + list(answer)
+        taps = None
+        if steer is not None:  # the verifier's SD² taps at every position; the prefix pass unsteered
+            v.reset()
+            taps = v.extend(full[:-1], steer.verifier_layers).hidden  # [3, T-1, D]: state j produces j+1
+            steer.hooks.set_vector(None)
         d.reset()
         prefix_hidden = d.extend(full, final).hidden[0].float().cpu()  # state at j produces token j+1
         for s in range(0, len(answer) - 1, args.stride):
             cut = len(prompt) + s  # committed = full[:cut]; targets = full[cut:]
             d.rollback(cut - 1)  # keep full[:cut-1] cached, refeed full[cut-1] for its logits
+            if taps is not None:  # the vector decoding would send: the state that produced full[cut-1]
+                steer.begin_block(taps[:, max(0, cut - 2)])
             out = d.extend([full[cut - 1]], final)
             states, tokens = [], []
             for _ in range(gamma):
@@ -159,6 +176,8 @@ def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str) -
             rows["prompt"].append(p)
         bar.update(1)
     bar.close()
+    if steer is not None:
+        steer.close()
     out = {k: torch.stack(v) if k != "prompt" else torch.tensor(v) for k, v in rows.items()}
     out["hidden"], out["context"] = out["hidden"].half(), out["context"].half()
     return out
@@ -252,7 +271,8 @@ def evaluate(kind: str, head, data) -> Dict[str, float]:
 def run_kind(kind: str, args: argparse.Namespace) -> int:
     from steerspec.models import load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies.heads import HEADS_DIR, build_head, save_head
-    from steerspec.train._common import seed_everything, unsteered_note
+    from steerspec.steering.io import has_steering
+    from steerspec.train._common import seed_everything
 
     if args.gamma < 2 or args.prompts < 4 or args.stride < 1 or args.epochs < 1:
         raise UsageError("need --gamma >= 2, --prompts >= 4, --stride >= 1, --epochs >= 1")
@@ -265,6 +285,9 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     verifier, drafter = load_model(vdir, device=args.device).eval(), load_model(ddir, device=args.device).eval()
     key = {"verifier": str(vdir), "drafter": str(ddir), "prompts": args.prompts, "answer": args.answer_tokens,
            "gamma": args.gamma, "stride": args.stride, "ctx": args.ctx, "seed": args.seed}
+    steered = has_steering(ddir)
+    if steered:
+        key["steered"] = True  # labels drafted without steering are stale for an SD² drafter
     labels = work / "labels.pt"
     resume = not args.no_resume
     data = None
@@ -274,7 +297,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     if data is None:
         prompts = training_prompts(load_tokenizer(vdir), args.prompts, args.seed)
         started = time.perf_counter()
-        data = label_blocks(verifier, drafter, prompts, args, f"label {kind}")
+        data = label_blocks(verifier, drafter, prompts, args, f"label {kind}", drafter_dir=ddir)
         torch.save({"key": key, "data": data, "label_s": time.perf_counter() - started}, labels)
         for stale in work.glob("checkpoint-*.pt"):
             stale.unlink()
@@ -310,7 +333,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
                              positive="rejected" if kind == "specdecpp" else "accepted", command=command, **metrics)
     if tuned:
         card += TUNED_CARD.format(**tuned)
-    card += unsteered_note(ddir)
+    card += STEERED_NOTE if steered else ""
     out.with_name(f"{kind}_MODEL_CARD.md").write_text(card)
     print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"],
                       **({"tuned": tuned} if tuned else {})}))
