@@ -202,8 +202,8 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     if not args.prompt:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
-    policy = policy_from_args(args)
     verification = parse_verification_arg(args)
+    policy = policy_from_args(args, lossy=verification.lossy)
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
     if verification.lossy and runner is None:
@@ -250,13 +250,13 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
-def policy_from_args(args: argparse.Namespace):
-    """The draft-length policy --policy names (fixed with --k when absent, else DEFAULT_POLICY); UsageError
-    lists the known ones."""
+def policy_from_args(args: argparse.Namespace, lossy: bool = False):
+    """The draft-length policy --policy names (fixed with --k when absent, else DEFAULT_POLICY, or `fixed`
+    under SPRINTER, whose classifier ends the runs); UsageError lists the known ones."""
     from steerspec.policies import PolicyContext, PolicyError, make_policy
 
     fixed = not getattr(args, "policy", None) and getattr(args, "k", None) is not None
-    spec = getattr(args, "policy", None) or (f"fixed:k={args.k}" if fixed else DEFAULT_POLICY)
+    spec = getattr(args, "policy", None) or (f"fixed:k={args.k}" if fixed else "fixed" if lossy else DEFAULT_POLICY)
     try:
         drafter = args.drafter if getattr(args, "mode", "speculative") == "speculative" else None
         policy = make_policy(spec, PolicyContext(drafter_dir=drafter))  # trained heads sit beside the drafter
