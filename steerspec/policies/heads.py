@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +86,12 @@ def build_head(kind: str, config: Dict[str, Any]) -> nn.Module:
 
 def load_head(kind: str, path: os.PathLike, hidden_size: Optional[int], device: str = "cpu") -> nn.Module:
     """Load a head; refuse a missing file, another kind, or a hidden size other than the drafter's."""
+    return load_head_and_meta(kind, path, hidden_size, device)[0]
+
+
+def load_head_and_meta(kind: str, path: os.PathLike, hidden_size: Optional[int],
+                       device: str = "cpu") -> Tuple[nn.Module, Dict[str, Any]]:
+    """`load_head` plus the `meta` the head was saved with (training report, Pacer's tuned defaults)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no {kind} head at {path}; train one with `steerspec train {kind} "
@@ -107,15 +113,7 @@ def load_head(kind: str, path: os.PathLike, hidden_size: Optional[int], device: 
                          f"the drafter has {hidden_size}: train one for this drafter")
     module = build_head(kind, blob["config"])
     module.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
-    return module.to(device).eval()
-
-
-def head_meta(path: os.PathLike) -> Dict[str, Any]:
-    """The `meta` a head was saved with (training report, Pacer's tuned defaults); {} when it has none."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        return json.loads((handle.metadata() or {}).get("meta", "{}"))
+    return module.to(device).eval(), json.loads(header.get("meta", "{}"))
 
 
 def context_hidden_size(context: Any) -> Optional[int]:

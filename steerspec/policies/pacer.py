@@ -19,16 +19,16 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
-from steerspec.policies.heads import context_hidden_size, head_meta, head_path, load_head
+from steerspec.policies.heads import context_hidden_size, head_path, load_head_and_meta
 from steerspec.policies.registry import Key, register
 
 
 TABLE10 = {"b": 4, "t": 0.7, "rho": 1.05}
 
 
-@register("pacer", {"b": Key(int, 4, "pre-verification block size (default: the head's tuned value, else 4)"),
-                    "t": Key(float, 0.7, "initial stop threshold on the round's mean acceptance (tuned, else 0.7)"),
-                    "rho": Key(float, 1.05, "threshold growth per round (tuned, else 1.05)"),
+@register("pacer", {"b": Key(int, TABLE10["b"], "block size (default: the head's tuned b, else Table 10's)"),
+                    "t": Key(float, TABLE10["t"], "stop threshold on a round's mean acceptance (tuned, else Table 10)"),
+                    "rho": Key(float, TABLE10["rho"], "threshold growth per round (tuned, else Table 10)"),
                     "max": Key(int, 32, "cap on drafts per block"),
                     "ctx": Key(int, 32, "accepted hidden states kept as context"),
                     "head": Key(str, "", "head file (default: <drafter>/policy_heads/pacer.safetensors)")},
@@ -43,8 +43,8 @@ class Pacer(PolicyBase):
     def __init__(self, b: Optional[int] = None, t: Optional[float] = None, rho: Optional[float] = None,
                  max: int = 32, ctx: int = 32, head: str = "", context: Optional[Any] = None) -> None:
         path = head or head_path("pacer", getattr(context, "drafter_dir", None))
-        self.layer = load_head("pacer", path, context_hidden_size(context))
-        defaults = {**TABLE10, **{k: v for k, v in head_meta(path).get("tuned", {}).items() if k in TABLE10}}
+        self.layer, meta = load_head_and_meta("pacer", path, context_hidden_size(context))
+        defaults = {**TABLE10, **{k: v for k, v in meta.get("tuned", {}).items() if k in TABLE10}}
         b, t, rho = (defaults[k] if v is None else v for k, v in (("b", b), ("t", t), ("rho", rho)))
         self.b = check_k(int(b), "b")
         self.t0 = check_open_unit(float(t), "t")

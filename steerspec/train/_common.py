@@ -151,13 +151,3 @@ def param_count(model: nn.Module) -> int:
     """Unique parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-
-def unsteered_note(drafter_dir: Path) -> str:
-    """A model-card note for a head trained on an SD² drafter: its features come from the unsteered drafter."""
-    from steerspec.steering.io import CONFIG_FILE
-
-    if not (Path(drafter_dir) / CONFIG_FILE).is_file():
-        return ""
-    return ("\nNote for this SD² drafter: labels and features come from the drafter without steering (training\n"
-            "runs no verifier round trips, so there is no steering vector); when it decodes steered, its hidden\n"
-            "states shift somewhat, so the head is an approximation there.\n")

@@ -123,7 +123,7 @@ def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str,
     from steerspec.train._common import progress
 
     v, d = cached_lm(verifier), cached_lm(drafter)
-    steer = maybe_steering(d, drafter_dir, device=d.device) if drafter_dir is not None else None
+    steer = maybe_steering(d, drafter_dir, device=d.device)
     final = [d.num_layers]
     size, gamma, ctx = d.hidden_size, args.gamma, args.ctx
     config = DecodeConfig(max_new_tokens=args.answer_tokens, eos_token_ids=(), max_length=100000)

@@ -172,6 +172,10 @@ def write_roc(head, data, path: Path, threshold: float, title: str) -> None:
     plt.close(fig)
 
 
+UNSTEERED_NOTE = ("\nNote for this SD² drafter: labels and features come from the drafter without steering (training\n"
+                  "runs no verifier round trips, so there is no steering vector); when it decodes steered, its hidden\n"
+                  "states shift somewhat, so the head is an approximation there.\n")
+
 MODEL_CARD = """# SPRINTER head for `{drafter}` (verifier `{verifier}`)
 
 A drafter-side classifier for SteerSpec's **lossy, opt-in** `--verification sprinter` mode
@@ -199,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.data.corpus import stdlib_split
     from steerspec.sprinter.features import feature_dim
     from steerspec.sprinter.head import SprinterHead, head_dir_for, save_head
-    from steerspec.train._common import seed_everything, unsteered_note
+    from steerspec.steering.io import has_steering
+    from steerspec.train._common import seed_everything
 
     if not 0.0 < args.threshold < 1.0:
         raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")
@@ -261,6 +266,6 @@ def run(args: argparse.Namespace) -> int:
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
                                                       ("roc_auc", "eta_tp", "eta_fp", "acceptable_fraction")})
-        + unsteered_note(ddir))
+        + (UNSTEERED_NOTE if has_steering(ddir) else ""))
     print(json.dumps({"out": str(out), "heldout": metrics, "train": train_metrics, "params": params}))
     return 0
