@@ -91,3 +91,34 @@ def test_an_sd2_drafter_labels_its_blocks_steered():
     assert plain["hidden"].shape == steered["hidden"].shape
     assert not torch.allclose(plain["hidden"].float(), steered["hidden"].float())
     assert torch.equal(label_blocks(verifier, drafter, prompts, args, "again")["hidden"], plain["hidden"])
+
+
+def test_bench_policies_steers_an_sd2_drafter_in_process_and_through_the_services(tmp_path):
+    """An SD² drafter is benchmarked as `steerspec run` decodes with it: steered by the verifier's vector,
+    in-process and through the services alike (both regimes count the same blocks as a steered decode)."""
+    from coordinator.cli import load_tokenizer_and_eos
+    from steerspec.data.evalsets import load_eval_set
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.models import cached_lm, load_model, resolve_model_dir
+    from steerspec.policies import FixedK
+    from steerspec.steering.runtime import maybe_steering
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "policies", "--quick", "--verifier", "verifier", "--drafter", "sd2", "--policies", "fixed",
+                 "--initial-k", "3", "--sets", "indist", "--rtt-ms", "0", "--temperatures", "0", "--prompts", "2",
+                 "--max-new-tokens", "24", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["steered"] is True
+    rows = {r["regime"]: r["metrics"] for r in report["rows"] if r["policy"] == "fixed"}
+
+    vdir, ddir = resolve_model_dir("verifier"), resolve_model_dir("sd2")
+    tokenizer, eos = load_tokenizer_and_eos(str(vdir))
+    v, d = cached_lm(load_model(vdir)), cached_lm(load_model(ddir))
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in load_eval_set("indist")[:2]]
+
+    def blocks(steering) -> int:
+        return sum(speculative_generate(v, d, p, DecodeConfig(max_new_tokens=24, seed=i, eos_token_ids=eos),
+                                        FixedK(3), steering=steering).rounds for i, p in enumerate(prompts))
+
+    steered = blocks(maybe_steering(d, ddir))
+    assert rows["inprocess"]["verifier_calls"] == steered == rows["rtt0"]["verifier_calls"]

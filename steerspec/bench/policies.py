@@ -13,6 +13,7 @@ gammatune, gammatune+) run at every --initial-k; the others run once. Prints
 
 writes the JSON (--out) and a PNG of tokens/s against RTT, one line per policy (--plot).
 Drafter forward passes = drafted tokens (one drafter step each); verifier passes = blocks.
+An SD² drafter (steering weights beside it) is steered in every regime, as `steerspec run` steers it.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def _config(args, temperature: float, i: int, eos):
                         sampling=SamplingParams(temperature), eos_token_ids=eos)
 
 
-def run_inprocess(v, d, prompts, args, temperature, spec: Optional[str], eos, context) -> Dict[str, Any]:
-    """One policy (None = verifier alone) over every prompt, in-process."""
+def run_inprocess(v, d, prompts, args, temperature, spec: Optional[str], eos, context, steering=None) -> Dict[str, Any]:
+    """One policy (None = verifier alone) over every prompt, in-process (an SD² drafter steered by `steering`)."""
     from steerspec.engine import autoregressive_generate, speculative_generate
     from steerspec.policies import make_policy
 
@@ -141,7 +142,7 @@ def run_inprocess(v, d, prompts, args, temperature, spec: Optional[str], eos, co
         if policy is None:
             results.append(autoregressive_generate(v, prompt, config))
         else:
-            results.append(speculative_generate(v, d, prompt, config, policy))
+            results.append(speculative_generate(v, d, prompt, config, policy, steering=steering))
         wall += time.perf_counter() - start
     return summarize(results, wall)
 
@@ -153,7 +154,7 @@ async def run_services(cluster, prompts, args, temperature, spec: Optional[str])
         results.append(await cluster.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
             draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
-            policy=spec or "fixed", timeout=600))
+            policy=spec or "fixed", steering=cluster.steering and spec is not None, timeout=600))
     return summarize(results, sum(r.wall_s for r in results))
 
 
@@ -176,10 +177,12 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
     from steerspec.linkemu import LinkModel
     from steerspec.models import cached_lm
     from steerspec.policies import PolicyContext
+    from steerspec.steering.runtime import maybe_steering
 
     context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None) or None,
                             hidden_size=int(drafter.config.hidden_size))
     v, d = cached_lm(verifier), cached_lm(drafter)
+    steering = maybe_steering(d, context.drafter_dir, device=d.device)
     rows: List[Dict[str, Any]] = []
     runs = _runs(args)
     for set_name in args.set_list:
@@ -188,15 +191,17 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
         for temperature in args.temp_list:
             common = {"set": set_name, "temperature": temperature}
             if not args.no_inprocess:
-                run_inprocess(v, d, prompts[:1], args, temperature, "fixed:k=4", eos, context)  # warm-up
+                run_inprocess(v, d, prompts[:1], args, temperature, "fixed:k=4", eos, context, steering)  # warm-up
                 _record(rows, **common, regime="inprocess", policy="verifier", initial_k=None, spec=None,
                         metrics=run_inprocess(v, d, prompts, args, temperature, None, eos, context))
                 for name, k, spec in runs:
                     _record(rows, **common, regime="inprocess", policy=name, initial_k=k, spec=spec,
-                            metrics=run_inprocess(v, d, prompts, args, temperature, spec, eos, context))
+                            metrics=run_inprocess(v, d, prompts, args, temperature, spec, eos, context, steering))
             for rtt in args.rtt_list:
                 link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
-                async with LocalCluster(verifier, drafter, link=link, tokenizer=tokenizer_dir, eos_ids=eos) as cluster:
+                # an SD² drafter goes by its directory: the cluster then loads it with its W_s hooks
+                served = context.drafter_dir if steering is not None else drafter
+                async with LocalCluster(verifier, served, link=link, tokenizer=tokenizer_dir, eos_ids=eos) as cluster:
                     await run_services(cluster, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}),
                                        temperature, "fixed:k=4")  # warm-up
                     regime = f"rtt{rtt:g}"
@@ -327,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.cli import load_tokenizer_and_eos
     from steerspec.models import load_model
     from steerspec.models.loading import resolve_model_dir
+    from steerspec.steering.io import has_steering
 
     torch.set_num_threads(max(1, args.threads))
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
@@ -352,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
                          "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
                          "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
                          "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
-                         "inprocess": not args.no_inprocess},
+                         "inprocess": not args.no_inprocess, "steered": has_steering(ddir)},
               "machine": {"platform": platform.platform(), "torch": torch.__version__,
                           "torch_threads": torch.get_num_threads()},
               "rows": rows}

@@ -80,15 +80,20 @@ def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> f
 
 @torch.inference_mode()
 def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, threshold: float,
-                   lam: float) -> Dict[str, float]:
-    """Closed-form d_TV(p, p_SPRINTER) of the first token at this prompt, with Theorem 1's bound there."""
-    from steerspec.models.kv import CachedLM
+                   lam: float, steering=None) -> Dict[str, float]:
+    """Closed-form d_TV(p, p_SPRINTER) of the first token at this prompt, with Theorem 1's bound there.
+    `drafter` is the CachedLM decoding uses; an SD² drafter's `steering` gets the prefill's vector first."""
+    from steerspec.engine import prefill
+    from steerspec.models import cached_lm
     from steerspec.sampling import draft_distribution, probs_from_logits
     from steerspec.sprinter import features as F
     from steerspec.sprinter import theory
 
     params = config.sampling
-    cached = CachedLM(drafter)
+    cached = drafter
+    cached.reset()
+    if steering is not None:  # as the first block decodes: prompt[:-1] unsteered, the last token steered
+        steering.begin_block(prefill(cached_lm(verifier), prompt, steering.verifier_layers))
     out = cached.extend(prompt, [cached.num_layers - 1])
     probs = probs_from_logits(out.logits[-1:], params.temperature, params.top_k, params.top_p)
     q = draft_distribution(probs, config.draft_top_k, config.draft_tail).to_dense(probs.shape[-1])[0].float()
@@ -96,7 +101,7 @@ def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, thres
                           params.temperature, params.top_k, params.top_p)[0].float()
     vocab = q.shape[-1]
     xs = torch.arange(vocab, device=q.device)
-    embed = drafter.get_input_embeddings().weight
+    embed = cached.model.get_input_embeddings().weight
     hidden = out.hidden[0, -1].float().expand(vocab, -1)
     feats = F.build_features(hidden, embed[xs].float(), q, F.entropy(probs[0].float()).expand(vocab))
     keep = (head.prob(feats) >= threshold).float()
@@ -127,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.sprinter import theory
     from steerspec.sprinter.decoding import sprinter_generate
     from steerspec.sprinter.head import resolve_head
+    from steerspec.steering.io import has_steering
+    from steerspec.steering.runtime import maybe_steering
 
     thresholds = _floats(args.thresholds, "--thresholds")
     rtts = _floats(args.rtts, "--rtts")
@@ -158,15 +165,19 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         raise UsageError(f"--policies: {exc}") from None
     if args.services:
-        return _run_services(args, verifier_model, drafter_model, prompts, eos, thresholds, loaded, specs)
+        served = ddir if has_steering(ddir) else drafter_model  # by directory, an SD² drafter is served steered
+        return _run_services(args, verifier_model, served, prompts, eos, thresholds, loaded, specs)
 
-    configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k))}
+    steer = maybe_steering(drafter, ddir, device=args.device)  # an SD² drafter decodes steered, as `run` does
+    configs = {"exact": lambda ids, cfg: speculative_generate(verifier, drafter, ids, cfg, FixedK(args.k),
+                                                              steering=steer)}
     for spec, policy in policies.items():  # speculative_generate resets the policy at the start of each sequence
         configs[spec] = (lambda policy: lambda ids, cfg: speculative_generate(
-            verifier, drafter, ids, cfg, policy))(policy)
+            verifier, drafter, ids, cfg, policy, steering=steer))(policy)
     for t in thresholds:
         configs[f"{SPRINTER}{t:g}"] = (lambda t: lambda ids, cfg: sprinter_generate(
-            verifier, drafter, ids, cfg, loaded.head, threshold=t, max_run=args.max_run, lam=loaded.lam))(t)
+            verifier, drafter, ids, cfg, loaded.head, threshold=t, max_run=args.max_run, lam=loaded.lam,
+            steering=steer))(t)
     configs["exact"](prompts[0], base)  # warm-up
 
     rows: Dict[str, Dict] = {}
@@ -205,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
                         "draft_ms_per_token": 1000 * t_draft,
                         "expected_stop_ms": statistics.mean(theory.expected_stop_time(
                             eta_tp, eta_fp, r, 1000 * t_draft, args.max_run) for r in rs) if rs else 0.0})
-            tvs = [first_token_tv(verifier_model, drafter_model, loaded.head, ids, base, row["threshold"], loaded.lam)
-                   for ids in prompts]
+            tvs = [first_token_tv(verifier_model, drafter, loaded.head, ids, base, row["threshold"], loaded.lam,
+                                  steer) for ids in prompts]
             row["first_token_tv"] = statistics.mean(t["tv"] for t in tvs)
             row["first_token_tv_bound"] = statistics.mean(t["bound"] for t in tvs)
         rows[name] = row

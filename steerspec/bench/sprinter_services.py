@@ -35,7 +35,7 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
                             drafter_options=options) as cluster:
         for spec, policy in configs.values():  # warm-up: the heads load, the caches allocate
             await cluster.generate(prompts[0], max_new_tokens=4, k=k, temperature=temperature, verification=spec,
-                                   policy=policy)
+                                   policy=policy, steering=cluster.steering)
         for rtt in rtts:
             cluster.set_link(LinkModel(rtt_ms=rtt).validate())
             sums = {name: {"tokens": 0, "verifier_calls": 0, "wall_s": 0.0} for name in configs}
@@ -46,7 +46,7 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
                         start = time.perf_counter()
                         result = await cluster.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                                         seed=1000 * i + s, k=k, verification=spec, policy=policy,
-                                                        timeout=600)
+                                                        steering=cluster.steering, timeout=600)
                         row = sums[name]
                         row["wall_s"] += time.perf_counter() - start
                         row["tokens"] += result.generated
