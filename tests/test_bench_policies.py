@@ -31,6 +31,8 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     with safe_open(str(heads["pacer"]), framework="pt") as handle:  # Pacer's b, t, rho tuned on held-out blocks
         tuned = json.loads(handle.metadata()["meta"])["tuned"]
     assert tuned["b"] in B_GRID and 0 < tuned["t"] < 1 and tuned["blocks"] >= 1 and tuned["draft_ms"] > 0
+    assert tuned["replay"] == "decoding" and tuned["round_ms"] > 0 and tuned["tune_prompts"] == 1  # 15% of 6
+    assert (tmp_path / "work" / "trajectory.pt").is_file()
     assert "Tuned (the policy's defaults" in (tmp_path / "pacer_MODEL_CARD.md").read_text()
     pacer = make_policy(f"pacer:head={heads['pacer']}", PolicyContext())
     assert (pacer.b, pacer.t0, pacer.rho) == (tuned["b"], tuned["t"], tuned["rho"])
@@ -122,3 +124,15 @@ def test_bench_policies_steers_an_sd2_drafter_in_process_and_through_the_service
 
     steered = blocks(maybe_steering(d, ddir))
     assert rows["inprocess"]["verifier_calls"] == steered == rows["rtt0"]["verifier_calls"]
+
+
+@pytest.mark.parametrize("value", ["x", "-5", ""])
+def test_train_pacer_bad_tune_rtts_exit_2(value, capsys):
+    assert main(["train", "pacer", "--tune-rtt-ms", value]) == 2
+    assert "--tune-rtt-ms" in capsys.readouterr().err
+
+
+def test_each_prompt_runs_the_configurations_in_a_rotated_order():
+    from steerspec.bench.policies import rotated
+
+    assert [rotated("abc", i) for i in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]

@@ -42,3 +42,43 @@ def test_an_informative_head_beats_the_best_fixed_k_and_a_constant_one_cannot():
     # a dearer block (network time) makes the best fixed k longer
     far = tune(torch.full((400, 12), 0.5), accepted, BlockCost(2.0, 20.0, 1.0, rtt_ms=200.0), cap=12)
     assert far["best_fixed_k"] > flat["best_fixed_k"]
+
+
+def test_decoding_replay_chains_blocks_as_greedy_decoding_does():
+    """With a block labelled at every answer position, the replay drafts from position 0, then from where
+    the last block's min(L, n) + 1 committed tokens end, prompt by prompt."""
+    from steerspec.train.pacer_tune import decoding_chains, visited
+
+    prompt = torch.tensor([0] * 6 + [1] * 3)
+    accepted = torch.tensor([2, 0, 0, 1, 0, 0, 0, 5, 0])
+    chains = decoding_chains(prompt)
+    assert chains == [(0, 6), (6, 3)]
+    # k=2: prompt 0 commits 3 (rows 0), 2 (row 3), 1 (row 5); prompt 1 commits 1 (row 6), then 3 (row 7) and ends
+    assert visited(torch.full((9,), 2), accepted, chains).tolist() == [0, 3, 5, 6, 7]
+    assert visited(torch.full((9,), 1), accepted, chains).tolist() == [0, 2, 3, 5, 6, 7]
+
+
+def test_decoding_replay_scores_only_the_visited_blocks():
+    """Blocks decoding never starts from cannot sway the choice: an easy block skipped by every chain
+    leaves the replayed rate unchanged, while the pooled replay counts it."""
+    prompt = torch.zeros(4, dtype=torch.long)
+    cost = BlockCost(draft_ms=1.0, v0=10.0, v1=0.0)
+    flat = torch.full((4, 4), 0.5)
+    hard = torch.tensor([3, 0, 0, 0])  # k=4 from row 0 commits 4 tokens: rows 1..3 are never visited
+    easy = torch.tensor([3, 3, 3, 0])
+    from steerspec.train.pacer_tune import decoding_chains
+
+    chains = decoding_chains(prompt)
+    a = tune(flat, hard, cost, cap=4, chains=chains, b_grid=(4,), t_grid=(0.5,), rho_grid=(1.0,))
+    b = tune(flat, easy, cost, cap=4, chains=chains, b_grid=(4,), t_grid=(0.5,), rho_grid=(1.0,))
+    assert a["replay"] == "decoding" and a["tokens_per_s"] == b["tokens_per_s"]
+    pooled = (tune(flat, hard, cost, cap=4, b_grid=(4,), t_grid=(0.5,), rho_grid=(1.0,)),
+              tune(flat, easy, cost, cap=4, b_grid=(4,), t_grid=(0.5,), rho_grid=(1.0,)))
+    assert pooled[0]["tokens_per_s"] < pooled[1]["tokens_per_s"]
+
+
+def test_a_stop_head_pays_per_round():
+    cost = BlockCost(draft_ms=1.0, v0=10.0, v1=0.0, round_ms=2.0)
+    n = torch.tensor([4.0])
+    assert float(cost.block_ms(n)) == 14.0  # fixed k: no head runs
+    assert float(cost.block_ms(n, b=1)) == 22.0 and float(cost.block_ms(n, b=3)) == 18.0  # ⌈4/3⌉ = 2 rounds

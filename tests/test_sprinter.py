@@ -302,6 +302,27 @@ def test_train_sprinter_is_seeded_and_resumable(capsys, tiny_pair, tmp_path):
     assert code == 2 and "--threshold" in err
 
 
+def test_an_sd2_drafter_labels_its_sprinter_tokens_steered():
+    """An SD² drafter's SPRINTER features come from its steered states (as it decodes); the hooks are
+    gone afterwards, and the CLI refuses a steering offset below 1."""
+    from steerspec.models import load_model, resolve_model_dir
+    from steerspec.steering.runtime import maybe_steering_weights
+    from steerspec.train.sprinter import label_windows
+
+    ddir = resolve_model_dir("sd2")
+    verifier, drafter = load_model(resolve_model_dir("verifier")).eval(), load_model(ddir).eval()
+    windows = [[5, 17, 42, 9, 33, 7, 11, 3, 28, 19, 4, 8]]
+    weights = maybe_steering_weights(drafter, ddir)
+    plain = label_windows(verifier, drafter, windows, 16, 1.0, 0, "plain")
+    steered = label_windows(verifier, drafter, windows, 16, 1.0, 0, "steered", weights, max_offset=2)
+    assert plain["x"].shape == steered["x"].shape
+    assert not torch.allclose(plain["x"][2:], steered["x"][2:])  # positions with an earlier verifier state
+    assert torch.equal(label_windows(verifier, drafter, windows, 16, 1.0, 0, "again")["x"], plain["x"])
+    from steerspec.cli import main
+
+    assert main(["train", "sprinter", "--drafter", "sd2", "--max-offset", "0"]) == 2
+
+
 def test_pooled_tally_sums_counts_and_keeps_runs_in_order():
     from steerspec.sprinter.labels import RunLabels, SprinterTally
 

@@ -14,6 +14,8 @@ gammatune, gammatune+) run at every --initial-k; the others run once. Prints
 writes the JSON (--out) and a PNG of tokens/s against RTT, one line per policy (--plot).
 Drafter forward passes = drafted tokens (one drafter step each); verifier passes = blocks.
 An SD² drafter (steering weights beside it) is steered in every regime, as `steerspec run` steers it.
+Within a regime the configurations are interleaved prompt by prompt (rotating order), so a drift in
+the host's speed over the minutes a regime takes hits every row alike.
 """
 
 from __future__ import annotations
@@ -129,33 +131,33 @@ def _config(args, temperature: float, i: int, eos):
                         sampling=SamplingParams(temperature), eos_token_ids=eos)
 
 
-def run_inprocess(v, d, prompts, args, temperature, spec: Optional[str], eos, context, steering=None) -> Dict[str, Any]:
-    """One policy (None = verifier alone) over every prompt, in-process (an SD² drafter steered by `steering`)."""
+def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None):
+    """One prompt under one policy (None = the verifier alone), in-process (an SD² drafter steered by
+    `steering`); returns (result, wall seconds)."""
     from steerspec.engine import autoregressive_generate, speculative_generate
-    from steerspec.policies import make_policy
 
-    results, wall = [], 0.0
-    policy = make_policy(spec, context) if spec else None
-    for i, prompt in enumerate(prompts):
-        config = _config(args, temperature, i, eos)
-        start = time.perf_counter()
-        if policy is None:
-            results.append(autoregressive_generate(v, prompt, config))
-        else:
-            results.append(speculative_generate(v, d, prompt, config, policy, steering=steering))
-        wall += time.perf_counter() - start
-    return summarize(results, wall)
+    config = _config(args, temperature, i, eos)
+    start = time.perf_counter()
+    if policy is None:
+        result = autoregressive_generate(v, prompt, config)
+    else:
+        result = speculative_generate(v, d, prompt, config, policy, steering=steering)
+    return result, time.perf_counter() - start
 
 
-async def run_services(cluster, prompts, args, temperature, spec: Optional[str]) -> Dict[str, Any]:
-    """One policy (None = verifier alone) over every prompt through the services."""
-    results = []
-    for i, prompt in enumerate(prompts):
-        results.append(await cluster.generate(
-            prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
-            draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
-            policy=spec or "fixed", steering=cluster.steering and spec is not None, timeout=600))
-    return summarize(results, sum(r.wall_s for r in results))
+async def run_services(cluster, prompt, i: int, args, temperature, spec: Optional[str]):
+    """One prompt under one policy (None = the verifier alone) through the services; (result, wall s)."""
+    result = await cluster.generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
+        draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
+        policy=spec or "fixed", steering=cluster.steering and spec is not None, timeout=600)
+    return result, result.wall_s
+
+
+def rotated(items: Sequence[Any], i: int) -> List[Any]:
+    """`items` starting at position i (mod len): each prompt runs the configurations in another order."""
+    shift = i % len(items) if items else 0
+    return list(items[shift:]) + list(items[:shift])
 
 
 def _runs(args) -> List[tuple]:
@@ -172,11 +174,14 @@ def _record(rows, **row) -> None:
 
 
 async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -> List[Dict[str, Any]]:
+    """Every configuration (the verifier alone, then each policy at each initial k) per regime. The
+    configurations are interleaved prompt by prompt, in a rotating order, so the host's drift over the
+    minutes a regime takes hits them alike; each sums its own generations' wall time."""
     from coordinator.local import LocalCluster
     from steerspec.data.evalsets import load_eval_set
     from steerspec.linkemu import LinkModel
     from steerspec.models import cached_lm
-    from steerspec.policies import PolicyContext
+    from steerspec.policies import PolicyContext, make_policy
     from steerspec.steering.runtime import maybe_steering
 
     context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None) or None,
@@ -184,32 +189,45 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
     v, d = cached_lm(verifier), cached_lm(drafter)
     steering = maybe_steering(d, context.drafter_dir, device=d.device)
     rows: List[Dict[str, Any]] = []
-    runs = _runs(args)
+    configs = [("verifier", None, None)] + _runs(args)
+
+    async def regime(run_one, record) -> None:
+        results: List[list] = [[] for _ in configs]
+        walls = [0.0] * len(configs)
+        for i, prompt in enumerate(prompts):
+            for c in rotated(range(len(configs)), i):
+                result, wall = await run_one(prompt, i, configs[c][2])
+                results[c].append(result)
+                walls[c] += wall
+        for (name, k, spec), res, wall in zip(configs, results, walls):
+            record(policy=name, initial_k=k, spec=spec, metrics=summarize(res, wall))
+
     for set_name in args.set_list:
         texts = [row["prompt"] for row in load_eval_set(set_name)][: args.prompts]
         prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         for temperature in args.temp_list:
             common = {"set": set_name, "temperature": temperature}
             if not args.no_inprocess:
-                run_inprocess(v, d, prompts[:1], args, temperature, "fixed:k=4", eos, context, steering)  # warm-up
-                _record(rows, **common, regime="inprocess", policy="verifier", initial_k=None, spec=None,
-                        metrics=run_inprocess(v, d, prompts, args, temperature, None, eos, context))
-                for name, k, spec in runs:
-                    _record(rows, **common, regime="inprocess", policy=name, initial_k=k, spec=spec,
-                            metrics=run_inprocess(v, d, prompts, args, temperature, spec, eos, context, steering))
+                # one policy object per configuration, kept across prompts (each sequence resets it)
+                policies = {spec: make_policy(spec, context) for _, _, spec in configs if spec}
+
+                async def inprocess(prompt, i, spec):
+                    return run_inprocess(v, d, prompt, i, args, temperature, policies.get(spec), eos, steering)
+
+                run_inprocess(v, d, prompts[0], 0, args, temperature, make_policy("fixed:k=4"), eos, steering)  # warm-up
+                await regime(inprocess, lambda **row: _record(rows, **common, regime="inprocess", **row))
             for rtt in args.rtt_list:
                 link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
                 # an SD² drafter goes by its directory: the cluster then loads it with its W_s hooks
                 served = context.drafter_dir if steering is not None else drafter
                 async with LocalCluster(verifier, served, link=link, tokenizer=tokenizer_dir, eos_ids=eos) as cluster:
-                    await run_services(cluster, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}),
-                                       temperature, "fixed:k=4")  # warm-up
-                    regime = f"rtt{rtt:g}"
-                    _record(rows, **common, regime=regime, rtt_ms=rtt, policy="verifier", initial_k=None, spec=None,
-                            metrics=await run_services(cluster, prompts, args, temperature, None))
-                    for name, k, spec in runs:
-                        _record(rows, **common, regime=regime, rtt_ms=rtt, policy=name, initial_k=k, spec=spec,
-                                metrics=await run_services(cluster, prompts, args, temperature, spec))
+                    async def services(prompt, i, spec, cluster=cluster):
+                        return await run_services(cluster, prompt, i, args, temperature, spec)
+
+                    warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 4})
+                    await run_services(cluster, prompts[0], 0, warm, temperature, "fixed:k=4")  # warm-up
+                    await regime(services, lambda rtt=rtt, **row: _record(rows, **common, regime=f"rtt{rtt:g}",
+                                                                          rtt_ms=rtt, **row))
     return rows
 
 

@@ -1,13 +1,18 @@
 """Tune Pacer's (b, t, ρ) on labelled blocks of the training split (`steerspec train pacer`).
 
 Pacer's paper tunes its block size b, threshold t and growth ρ per setting (its Table 10). Here
-the held-out labelled blocks (training-split prompts the head did not see) are replayed offline:
-for each candidate, Pacer's stop rule runs on the head's predicted acceptances of every block's
-drafts, giving a stop length n; the block then commits min(L, n) + 1 tokens (L = the drafts the
-verifier accepted) and costs n·d + v0 + v1·(n + 1) + rtt ms, with d, v0, v1 measured on the
-pair. The candidate with the most committed tokens per ms wins; fixed k is replayed the same way
-so the report shows the best fixed k under the same model. Pure tensor math apart from
-`measure_costs`.
+held-out training-split prompts (the head never saw them) are replayed offline. For each
+candidate, Pacer's stop rule runs on the head's predicted acceptances of a block's drafts, giving a
+stop length n; the block then commits min(L, n) + 1 tokens (L = the drafts the verifier accepted)
+and costs n·d + ⌈n/b⌉·r + v0 + v1·(n + 1) + rtt ms, with d (a draft step of the real draft loop),
+r (one pass of the Pacer layer), v0 and v1 measured on the pair. `tune` pools independent blocks;
+`tune_decoding` replays greedy decoding itself: with a block labelled at *every* answer position,
+each prompt's blocks are chained as decoding chains them (the next block starts where the last
+one's committed tokens end), so the blocks scored are the ones decoding meets, not a uniform
+sample of positions. The candidate with the most committed tokens per ms wins; fixed k is
+replayed the same way so the report shows the best fixed k under the same model; with several costs
+(one per network RTT) the candidate whose worst gain over the best fixed k across them is highest
+wins. Pure tensor math apart from `measure_costs`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -26,15 +31,19 @@ RHO_GRID = (1.0, 1.05, 1.1, 1.2)
 
 @dataclass(frozen=True)
 class BlockCost:
-    """Milliseconds of one block: `draft_ms` per draft, verify `v0 + v1·tokens`, plus a fixed `rtt_ms`."""
+    """Milliseconds of one block: `draft_ms` per draft, `round_ms` per pass of a stop head over a round
+    of b drafts, verify `v0 + v1·tokens`, plus a fixed `rtt_ms`."""
 
     draft_ms: float
     v0: float
     v1: float
     rtt_ms: float = 0.0
+    round_ms: float = 0.0
 
-    def block_ms(self, n: torch.Tensor) -> torch.Tensor:
-        return n * self.draft_ms + self.v0 + self.v1 * (n + 1) + self.rtt_ms
+    def block_ms(self, n: torch.Tensor, b: int = 0) -> torch.Tensor:
+        """b = 0: no stop head runs (fixed k)."""
+        rounds = torch.div(n + b - 1, b, rounding_mode="floor") if b else 0
+        return n * self.draft_ms + rounds * self.round_ms + self.v0 + self.v1 * (n + 1) + self.rtt_ms
 
 
 def stop_lengths(acceptance: torch.Tensor, b: int, t: float, rho: float, cap: int) -> torch.Tensor:
@@ -54,31 +63,76 @@ def stop_lengths(acceptance: torch.Tensor, b: int, t: float, rho: float, cap: in
     return stop
 
 
-def tokens_per_ms(stop: torch.Tensor, accepted: torch.Tensor, cost: BlockCost) -> float:
+def tokens_per_ms(stop: torch.Tensor, accepted: torch.Tensor, cost: BlockCost, b: int = 0) -> float:
     """Committed tokens (min(L, n) + 1 per block) over the blocks' modelled time."""
     committed = torch.minimum(accepted, stop).float() + 1.0
-    return float(committed.sum() / cost.block_ms(stop.float()).sum())
+    return float(committed.sum() / cost.block_ms(stop.float(), b).sum())
 
 
-def tune(acceptance: torch.Tensor, accepted: torch.Tensor, cost: BlockCost, cap: int,
+def decoding_chains(prompt: torch.Tensor) -> List[Tuple[int, int]]:
+    """(first row, rows) of each prompt's blocks, for blocks labelled at every answer position in order."""
+    chains: List[Tuple[int, int]] = []
+    ids = prompt.tolist()
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            chains.append((start, i - start))
+            start = i
+    return chains
+
+
+def visited(stop: torch.Tensor, accepted: torch.Tensor, chains: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """Rows greedy decoding drafts from: per chain, the block at offset 0, then the block at the
+    offset where the last one's min(L, n) + 1 committed tokens end, until the chain runs out."""
+    take = (torch.minimum(accepted, stop) + 1).tolist()
+    rows: List[int] = []
+    for first, count in chains:
+        offset = 0
+        while offset < count:
+            rows.append(first + offset)
+            offset += take[first + offset]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _rate(stop, accepted, cost, b, chains) -> float:
+    """Tokens per ms over every block (chains None) or over the blocks decoding visits."""
+    if chains is not None:
+        rows = visited(stop, accepted, chains)
+        stop, accepted = stop[rows], accepted[rows]
+    return tokens_per_ms(stop, accepted, cost, b)
+
+
+def tune(acceptance: torch.Tensor, accepted: torch.Tensor, cost: Union[BlockCost, Sequence[BlockCost]], cap: int,
          b_grid: Iterable[int] = B_GRID, t_grid: Iterable[float] = T_GRID,
-         rho_grid: Iterable[float] = RHO_GRID) -> Dict[str, float]:
-    """The (b, t, ρ) with the most committed tokens per ms, its rate and stop length, and the best
-    fixed k replayed under the same model (ties go to the earlier, i.e. smaller, setting)."""
+         rho_grid: Iterable[float] = RHO_GRID,
+         chains: Optional[Sequence[Tuple[int, int]]] = None) -> Dict[str, Any]:
+    """The (b, t, ρ) whose worst gain over the best fixed k (replayed under the same model) across the
+    given costs (e.g. one per network RTT) is highest; with one cost, the most committed tokens per ms
+    (ties go to the earlier, i.e. smaller, setting). With `chains` (see `decoding_chains`) only the
+    blocks greedy decoding would visit count. Per cost: the rate, the best fixed k and its rate."""
+    costs = [cost] if isinstance(cost, BlockCost) else list(cost)
+    fixed = [{k: _rate(torch.full_like(accepted, k), accepted, c, 0, chains) for k in range(1, cap + 1)}
+             for c in costs]
+    best_k = [max(f, key=lambda k, f=f: (f[k], -k)) for f in fixed]
     best: Tuple[float, int, float, float] = (-1.0, 0, 0.0, 0.0)
     for b in b_grid:
         for t in t_grid:
             for rho in rho_grid:
-                rate = tokens_per_ms(stop_lengths(acceptance, b, t, rho, cap), accepted, cost)
-                if rate > best[0] + 1e-12:
-                    best = (rate, b, t, rho)
-    rate, b, t, rho = best
-    mean_n = float(stop_lengths(acceptance, b, t, rho, cap).float().mean())
-    fixed = {k: tokens_per_ms(torch.full_like(accepted, k), accepted, cost) for k in range(1, cap + 1)}
-    best_k = max(fixed, key=lambda k: (fixed[k], -k))
-    return {"b": b, "t": t, "rho": rho, "tokens_per_s": round(1000 * rate, 4), "mean_drafts": round(mean_n, 3),
-            "best_fixed_k": best_k, "best_fixed_tokens_per_s": round(1000 * fixed[best_k], 4),
-            "gain_over_best_fixed": round(rate / fixed[best_k], 4)}
+                stop = stop_lengths(acceptance, b, t, rho, cap)
+                gain = min(_rate(stop, accepted, c, b, chains) / f[k] for c, f, k in zip(costs, fixed, best_k))
+                if gain > best[0] + 1e-12:
+                    best = (gain, b, t, rho)
+    gain, b, t, rho = best
+    stop = stop_lengths(acceptance, b, t, rho, cap)
+    rows = visited(stop, accepted, chains) if chains is not None else torch.arange(len(stop))
+    per_cost = [{"rtt_ms": c.rtt_ms, "tokens_per_s": round(1000 * _rate(stop, accepted, c, b, chains), 4),
+                 "best_fixed_k": k, "best_fixed_tokens_per_s": round(1000 * f[k], 4),
+                 "gain": round(_rate(stop, accepted, c, b, chains) / f[k], 4)}
+                for c, f, k in zip(costs, fixed, best_k)]
+    return {"b": b, "t": t, "rho": rho, "mean_drafts": round(float(stop[rows].float().mean()), 3),
+            "gain_over_best_fixed": round(gain, 4), **{key: per_cost[0][key] for key in
+                                                        ("tokens_per_s", "best_fixed_k", "best_fixed_tokens_per_s")},
+            "per_rtt": per_cost, "replay": "decoding" if chains is not None else "blocks"}
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -91,8 +145,13 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9, rtt_ms: float = 0.0) -> BlockCost:
-    """One drafter step and verify passes of 1 and 9 tokens after `prompt`, median ms (CachedLMs)."""
+def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9, rtt_ms: float = 0.0,
+                  stop_head: Optional[Callable[[], object]] = None) -> BlockCost:
+    """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), verify passes
+    of 1 and 9 tokens after `prompt` (CachedLMs), and one call of `stop_head` (a policy's head) if given."""
+    from steerspec.engine import draft_block
+    from steerspec.rounds import DecodeConfig
+
     prompt = list(prompt)
     for lm in (verifier, drafter):
         lm.reset()
@@ -106,8 +165,16 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9, rt
             lm.rollback(n)
         return run
 
+    config = DecodeConfig(max_new_tokens=64, eos_token_ids=())
+
+    def block() -> None:  # decoding's shape: the pending token is fed, then 8 drafts
+        drafter.rollback(n - 1)
+        draft_block(drafter, prompt, 8, config)
+
     step(verifier, 9)()  # warm-up
-    draft_ms = _median_ms(step(drafter, 1), 3 * repeats)
+    block()
+    draft_ms = _median_ms(block, repeats) / 8
     one, nine = _median_ms(step(verifier, 1), repeats), _median_ms(step(verifier, 9), repeats)
     v1 = max(0.0, (nine - one) / 8)
-    return BlockCost(draft_ms=draft_ms, v0=max(0.0, one - v1), v1=v1, rtt_ms=rtt_ms)
+    round_ms = _median_ms(stop_head, 3 * repeats) if stop_head is not None else 0.0
+    return BlockCost(draft_ms=draft_ms, v0=max(0.0, one - v1), v1=v1, rtt_ms=rtt_ms, round_ms=round_ms)

@@ -10,6 +10,8 @@ SpecDec++'s head learns P(reject | earlier accepted) from the drafts up to and i
 rejection; Pacer's layer learns every draft's label. Seeded and resumable (WORK/labels.pt, shared by
 both kinds, and WORK/checkpoint-KIND.pt), with a tqdm bar; reports held-out accuracy and ROC AUC (held-out = a
 seeded 15% of the prompts); writes the head to DRAFTER/policy_heads/KIND.safetensors (or --out) with a model card.
+Pacer's b, t and ρ are then tuned by replaying greedy decoding of the held-out prompts, labelled again at every
+answer position (WORK/trajectory.pt; steerspec/train/pacer_tune.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -40,30 +43,64 @@ Command: `{command}`
 """
 
 
-TUNED_CARD = """Tuned (the policy's defaults for this head): b={b}, t={t}, rho={rho}, chosen on the held-out blocks by
-replaying Pacer's stop rule under the measured block cost (draft {draft_ms:.2f} ms per token, verify {v0:.1f} +
-{v1:.2f}·tokens ms, network {rtt_ms:g} ms): modelled {tokens_per_s:.2f} tokens/s with {mean_drafts:.2f} drafts per
-block, {gain_over_best_fixed:.3f}x the best fixed k ({best_fixed_k}) replayed the same way.
+TUNED_CARD = """Tuned (the policy's defaults for this head): b={b}, t={t}, rho={rho}, chosen by replaying greedy decoding
+of the {tune_prompts} held-out prompts (blocks labelled at every answer position and chained as decoding chains
+them; {blocks} blocks visited) under the measured block cost (draft {draft_ms:.2f} ms per token in the draft loop,
+Pacer layer {round_ms:.2f} ms per round, verify {v0:.1f} + {v1:.2f}·tokens ms, plus the network RTT), for the
+best worst-case gain over the best fixed k across RTTs; {mean_drafts:.2f} drafts per block. Modelled:
+{rtt_lines}
 """
+RTT_LINE = "- RTT {rtt_ms:g} ms: {tokens_per_s:.2f} tokens/s, {gain:.3f}x the best fixed k ({best_fixed_k}, {best_fixed_tokens_per_s:.2f})"
 
 
-def tune_pacer(layer, heldout, verifier, drafter, args) -> Optional[Dict[str, float]]:
-    """Pacer's (b, t, rho) for this head: replayed on the held-out blocks under the pair's measured costs
-    (None when no held-out block had every draft judged: the policy then keeps Table 10's values)."""
+def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str, float]]:
+    """Pacer's (b, t, rho) for this head: greedy decoding of the held-out prompts replayed on `trajectory`
+    (blocks labelled at every answer position) under the pair's measured costs (None without blocks:
+    the policy then keeps Table 10's values)."""
     from steerspec.models import cached_lm
-    from steerspec.train.pacer_tune import measure_costs, tune
+    from steerspec.train.pacer_tune import decoding_chains, measure_costs, tune, visited
 
-    full = heldout["valid"].bool().all(dim=1)  # blocks whose every draft was judged
-    if not bool(full.any()):
+    if len(trajectory["label"]) == 0:
         return None
     with torch.no_grad():
-        acceptance = torch.sigmoid(_pacer_logits(layer, _subset(heldout, full.nonzero().squeeze(1))))
-    accepted = heldout["label"][full].sum(dim=1).long()
+        acceptance = torch.cat([torch.sigmoid(_pacer_logits(layer, _subset(trajectory, idx)))
+                                for idx in torch.arange(len(trajectory["label"])).split(256)])
+    accepted = trajectory["label"].sum(dim=1).long()
+    chains = decoding_chains(trajectory["prompt"])
+    size = int(trajectory["hidden"].shape[-1])
+    ctx, drafts = torch.randn(1, args.ctx, size), torch.randn(1, 4, size)
+
+    def one_round() -> None:  # what the policy runs after each round of b drafts
+        with torch.no_grad():
+            layer(ctx, drafts, torch.arange(4))
+
     probe = list(range(100, 164))  # a 64-token context: the cost of a step, not of any particular text
-    cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, rtt_ms=args.tune_rtt_ms)
-    result = tune(acceptance, accepted, cost, cap=args.gamma)
-    return {**result, "blocks": int(full.sum()), "draft_ms": round(cost.draft_ms, 3), "v0": round(cost.v0, 3),
-            "v1": round(cost.v1, 3), "rtt_ms": cost.rtt_ms}
+    cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, stop_head=one_round)
+    costs = [replace(cost, rtt_ms=rtt) for rtt in args.tune_rtts]
+    result = tune(acceptance, accepted, costs, cap=args.gamma, chains=chains)
+    stop = torch.full_like(accepted, result["best_fixed_k"])
+    return {**result, "tune_prompts": len(chains), "blocks": int(len(visited(stop, accepted, chains))),
+            "draft_ms": round(cost.draft_ms, 3), "round_ms": round(cost.round_ms, 3), "v0": round(cost.v0, 3),
+            "v1": round(cost.v1, 3), "rtts_ms": list(args.tune_rtts)}
+
+
+def trajectory_blocks(verifier, drafter, prompts: List[List[int]], held: List[int], key: Dict, args, work: Path,
+                      drafter_dir, resume: bool) -> Dict[str, torch.Tensor]:
+    """Blocks at every answer position of the held-out prompts (Pacer's tuning replays decoding on them);
+    cached in WORK/trajectory.pt under the labels' key."""
+    import argparse as _argparse
+
+    path = work / "trajectory.pt"
+    key = {**key, "held": held}
+    if resume and path.exists():
+        stored = torch.load(path, weights_only=False)
+        if stored.get("key") == key:
+            return stored["data"]
+    every = _argparse.Namespace(**{**vars(args), "stride": 1})
+    data = label_blocks(verifier, drafter, [prompts[i] for i in held], every, "label decoding replay",
+                        drafter_dir=drafter_dir)
+    torch.save({"key": key, "data": data}, path)
+    return data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="relabel and restart training")
-    parser.add_argument("--tune-rtt-ms", type=float, default=0.0,
-                        help="pacer: network ms per block assumed when tuning b, t and rho (0: in-process)")
+    parser.add_argument("--tune-rtt-ms", default="0,50",
+                        help="pacer: network RTTs (ms, comma-separated) b, t and rho are tuned for: the setting "
+                             "whose worst gain over the best fixed k across them is highest")
 
 
 def training_prompts(tokenizer, count: int, seed: int) -> List[List[int]]:
@@ -276,6 +314,12 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
 
     if args.gamma < 2 or args.prompts < 4 or args.stride < 1 or args.epochs < 1:
         raise UsageError("need --gamma >= 2, --prompts >= 4, --stride >= 1, --epochs >= 1")
+    try:
+        args.tune_rtts = [float(x) for x in str(args.tune_rtt_ms).split(",") if x.strip()]
+    except ValueError:
+        args.tune_rtts = []
+    if not args.tune_rtts or any(r < 0 for r in args.tune_rtts):
+        raise UsageError(f"--tune-rtt-ms takes comma-separated RTTs >= 0, got '{args.tune_rtt_ms}'")
     torch.set_num_threads(max(1, args.threads))
     seed_everything(args.seed)
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
@@ -291,6 +335,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     labels = work / "labels.pt"
     resume = not args.no_resume
     data = None
+    prompts: Optional[List[List[int]]] = None
     if resume and labels.exists():
         stored = torch.load(labels, weights_only=False)
         data = stored["data"] if stored.get("key") == key else None
@@ -311,7 +356,11 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
     head = build_head(kind, config)
     losses = fit(kind, head, train, args, work, resume)
     metrics = evaluate(kind, head, heldout)
-    tuned = tune_pacer(head, heldout, verifier, drafter, args) if kind == "pacer" else None
+    tuned = None
+    if kind == "pacer":
+        prompts = prompts or training_prompts(load_tokenizer(vdir), args.prompts, args.seed)
+        trajectory = trajectory_blocks(verifier, drafter, prompts, sorted(held_prompts), key, args, work, ddir, resume)
+        tuned = tune_pacer(head, trajectory, verifier, drafter, args)
     command = (f"steerspec train {kind} --verifier {args.verifier} --drafter {args.drafter} --prompts {args.prompts} "
                f"--gamma {args.gamma} --stride {args.stride} --epochs {args.epochs} --seed {args.seed}")
     meta = {"verifier": vdir.name, "drafter": ddir.name, "heldout": metrics, "losses": [round(x, 6) for x in losses],
@@ -332,7 +381,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
                              epochs=args.epochs, lr=args.lr, batch=args.batch_size, seed=args.seed,
                              positive="rejected" if kind == "specdecpp" else "accepted", command=command, **metrics)
     if tuned:
-        card += TUNED_CARD.format(**tuned)
+        card += TUNED_CARD.format(**tuned, rtt_lines="\n".join(RTT_LINE.format(**r) for r in tuned["per_rtt"]))
     card += STEERED_NOTE if steered else ""
     out.with_name(f"{kind}_MODEL_CARD.md").write_text(card)
     print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"],

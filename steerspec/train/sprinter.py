@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heldout-tokens", type=int, default=10000, help="labelled held-out tokens")
     parser.add_argument("--seq-len", type=int, default=128, help="teacher-forced window length")
     parser.add_argument("--draft-top-k", type=int, default=64, help="the draft distribution's top K (as in decoding)")
+    parser.add_argument("--max-offset", type=int, default=4,
+                        help="SD² drafters: steer position j from the verifier's position j - δ, δ in [1, this]")
     parser.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512)
@@ -67,27 +69,48 @@ def _windows(tokenizer, files: List[str], split, seq_len: int, tokens: int, seed
     return out
 
 
+def steering_per_position(weights, hidden_states, gen: torch.Generator, max_offset: int):
+    """g [1, T, d_V] and its mask [1, T] for a teacher-forced window: drafter position j is steered by the
+    verifier's vector from position j − δ, δ uniform in [1, max_offset] per position (decoding steers the
+    i-th draft of a block, or of a SPRINTER run, from δ = i positions back); unsteered where j − δ < 0."""
+    from steerspec.steering.head import vector_from_bytes, vector_to_bytes
+
+    g = weights.head.from_hidden_states(hidden_states)[0].float()  # [T, d_V]
+    g = vector_from_bytes(vector_to_bytes(g)).view_as(g).to(g.device)  # the wire's fp16, as decoding gets it
+    width = g.shape[0]
+    delta = torch.randint(1, max_offset + 1, (width,), generator=gen, device=gen.device).to(g.device)
+    source = torch.arange(width, device=g.device) - delta
+    return g[source.clamp_min(0)][None], (source >= 0)[None]
+
+
 @torch.inference_mode()
 def label_windows(verifier, drafter, windows: List[List[int]], draft_top_k: int, lam: float, seed: int,
-                  desc: str) -> Dict[str, torch.Tensor]:
-    """Features [N, F], labels [N] and the ratio q/p [N] for every position of every window."""
+                  desc: str, steering=None, max_offset: int = 4) -> Dict[str, torch.Tensor]:
+    """Features [N, F], labels [N] and the ratio q/p [N] for every position of every window. With an
+    SD² drafter's `steering` weights the drafter runs steered, as it decodes (`steering_per_position`)."""
     from steerspec.models.kv import CachedLM
     from steerspec.sampling import draft_distribution, sample_sparse
     from steerspec.sprinter import features as F
+    from steerspec.steering.drafter import SteeringHooks
     from steerspec.train._common import progress
 
     cached = CachedLM(drafter)
     layer = cached.num_layers - 1
     embed = drafter.get_input_embeddings().weight
     gen = torch.Generator(device=drafter.device).manual_seed(seed)
+    hooks = SteeringHooks(drafter, steering.drafter) if steering is not None else None
     feats, labels, ratios = [], [], []
     bar = progress(len(windows), desc=desc)
     for window in windows:
+        vout = verifier(input_ids=torch.tensor([window], device=verifier.device),
+                        output_hidden_states=hooks is not None)
+        p_full = vout.logits[0, :-1].float().softmax(-1)
+        if hooks is not None:
+            hooks.set_vector(*steering_per_position(steering, vout.hidden_states, gen, max_offset))
         cached.reset()
         out = cached.extend(window, [layer])
         q_full = out.logits.float().softmax(-1)[:-1]  # rows that predict positions 1..n-1
         hidden = out.hidden[0, :-1].float()
-        p_full = verifier(input_ids=torch.tensor([window], device=verifier.device)).logits[0, :-1].float().softmax(-1)
         dist = draft_distribution(q_full, draft_top_k)
         x = sample_sparse(dist, gen)
         q_x = dist.prob_of(x).float()
@@ -97,6 +120,8 @@ def label_windows(verifier, drafter, windows: List[List[int]], draft_top_k: int,
         ratios.append((q_x / p_x.clamp_min(1e-30)).cpu())
         bar.update(1)
     bar.close()
+    if hooks is not None:
+        hooks.remove()
     return {"x": torch.cat(feats), "y": torch.cat(labels), "ratio": torch.cat(ratios)}
 
 
@@ -172,9 +197,9 @@ def write_roc(head, data, path: Path, threshold: float, title: str) -> None:
     plt.close(fig)
 
 
-UNSTEERED_NOTE = ("\nNote for this SD² drafter: labels and features come from the drafter without steering (training\n"
-                  "runs no verifier round trips, so there is no steering vector); when it decodes steered, its hidden\n"
-                  "states shift somewhat, so the head is an approximation there.\n")
+STEERED_NOTE = ("\nThis SD² drafter ran steered while labelling, as it decodes: drafter position j got the verifier's\n"
+                "steering vector from position j − δ (δ uniform in [1, {max_offset}] per position; fp16 as on the wire),\n"
+                "so the head sees the hidden states decoding gives it.\n")
 
 MODEL_CARD = """# SPRINTER head for `{drafter}` (verifier `{verifier}`)
 
@@ -203,13 +228,15 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.data.corpus import stdlib_split
     from steerspec.sprinter.features import feature_dim
     from steerspec.sprinter.head import SprinterHead, head_dir_for, save_head
-    from steerspec.steering.io import has_steering
+    from steerspec.steering.runtime import maybe_steering_weights
     from steerspec.train._common import seed_everything
 
     if not 0.0 < args.threshold < 1.0:
         raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")
     if args.lam <= 0:
         raise UsageError(f"--lambda must be > 0, got {args.lam}")
+    if args.max_offset < 1:
+        raise UsageError(f"--max-offset must be >= 1, got {args.max_offset}")
     if args.train_tokens < 100 or args.heldout_tokens < 100:
         raise UsageError("--train-tokens and --heldout-tokens must be at least 100")
     torch.set_num_threads(max(1, args.threads))
@@ -222,9 +249,12 @@ def run(args: argparse.Namespace) -> int:
     drafter = load_model(ddir, device=args.device).eval()
     tokenizer = load_tokenizer(vdir)
     cache = work / "features.pt"
+    steering = maybe_steering_weights(drafter, ddir, device=args.device)  # an SD² drafter labels steered
     key = {"verifier": str(vdir), "drafter": str(ddir), "lam": args.lam, "seq_len": args.seq_len,
            "train_tokens": args.train_tokens, "heldout_tokens": args.heldout_tokens,
            "draft_top_k": args.draft_top_k, "seed": args.seed}
+    if steering is not None:
+        key.update(steered=True, max_offset=args.max_offset)
     resume = not args.no_resume
     data = None
     if resume and cache.exists():
@@ -235,10 +265,10 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         train = label_windows(verifier, drafter, _windows(tokenizer, split.train, split, args.seq_len,
                                                           args.train_tokens, args.seed),
-                              args.draft_top_k, args.lam, args.seed, "label train")
+                              args.draft_top_k, args.lam, args.seed, "label train", steering, args.max_offset)
         held = label_windows(verifier, drafter, _windows(tokenizer, split.heldout, split, args.seq_len,
                                                          args.heldout_tokens, args.seed + 1),
-                             args.draft_top_k, args.lam, args.seed + 1, "label held-out")
+                             args.draft_top_k, args.lam, args.seed + 1, "label held-out", steering, args.max_offset)
         data = {"key": key, "train": train, "heldout": held, "label_s": time.perf_counter() - started}
         torch.save(data, cache)
         (work / "checkpoint.pt").unlink(missing_ok=True)  # new features: train from scratch
@@ -266,6 +296,6 @@ def run(args: argparse.Namespace) -> int:
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
                                                       ("roc_auc", "eta_tp", "eta_fp", "acceptable_fraction")})
-        + (UNSTEERED_NOTE if has_steering(ddir) else ""))
+        + (STEERED_NOTE.format(max_offset=args.max_offset) if steering is not None else ""))
     print(json.dumps({"out": str(out), "heldout": metrics, "train": train_metrics, "params": params}))
     return 0
