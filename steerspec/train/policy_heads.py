@@ -58,7 +58,7 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
     (blocks labelled at every answer position) under the pair's measured costs (None without blocks:
     the policy then keeps Table 10's values)."""
     from steerspec.models import cached_lm
-    from steerspec.train.pacer_tune import decoding_chains, measure_costs, tune, visited
+    from steerspec.train.pacer_tune import decoding_chains, measure_costs, stop_lengths, tune, visited
 
     if len(trajectory["label"]) == 0:
         return None
@@ -78,7 +78,7 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
     cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, stop_head=one_round)
     costs = [replace(cost, rtt_ms=rtt) for rtt in args.tune_rtts]
     result = tune(acceptance, accepted, costs, cap=args.gamma, chains=chains)
-    stop = torch.full_like(accepted, result["best_fixed_k"])
+    stop = stop_lengths(acceptance, result["b"], result["t"], result["rho"], args.gamma)  # the chosen setting's
     return {**result, "tune_prompts": len(chains), "blocks": int(len(visited(stop, accepted, chains))),
             "draft_ms": round(cost.draft_ms, 3), "round_ms": round(cost.round_ms, 3), "v0": round(cost.v0, 3),
             "v1": round(cost.v1, 3), "rtts_ms": list(args.tune_rtts)}
@@ -88,15 +88,13 @@ def trajectory_blocks(verifier, drafter, prompts: List[List[int]], held: List[in
                       drafter_dir, resume: bool) -> Dict[str, torch.Tensor]:
     """Blocks at every answer position of the held-out prompts (Pacer's tuning replays decoding on them);
     cached in WORK/trajectory.pt under the labels' key."""
-    import argparse as _argparse
-
     path = work / "trajectory.pt"
     key = {**key, "held": held}
     if resume and path.exists():
         stored = torch.load(path, weights_only=False)
         if stored.get("key") == key:
             return stored["data"]
-    every = _argparse.Namespace(**{**vars(args), "stride": 1})
+    every = argparse.Namespace(**{**vars(args), "stride": 1})
     data = label_blocks(verifier, drafter, [prompts[i] for i in held], every, "label decoding replay",
                         drafter_dir=drafter_dir)
     torch.save({"key": key, "data": data}, path)
@@ -362,7 +360,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
         trajectory = trajectory_blocks(verifier, drafter, prompts, sorted(held_prompts), key, args, work, ddir, resume)
         tuned = tune_pacer(head, trajectory, verifier, drafter, args)
     command = (f"steerspec train {kind} --verifier {args.verifier} --drafter {args.drafter} --prompts {args.prompts} "
-               f"--gamma {args.gamma} --stride {args.stride} --epochs {args.epochs} --seed {args.seed}")
+               f"--gamma {args.gamma} --stride {args.stride} --epochs {args.epochs} --seed {args.seed}"
+               + (f" --tune-rtt-ms {','.join(f'{r:g}' for r in args.tune_rtts)}" if kind == "pacer" else ""))
     meta = {"verifier": vdir.name, "drafter": ddir.name, "heldout": metrics, "losses": [round(x, 6) for x in losses],
             "command": command}
     if tuned:
