@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from steerspec.errors import UsageError
+from steerspec.errors import UsageError, float_list
 
 HAS_INITIAL_K = {"fixed": "k", "heuristic": "k", "gammatune": "k", "gammatune+": "k"}
 DEFAULT_POLICIES = "fixed,heuristic,threshold,adaedl,specdecpp,gammatune,gammatune+,pacer,latency"
@@ -58,13 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
 
 
-def _floats(text: str, flag: str) -> List[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} expects comma-separated numbers, got '{text}'") from None
-
-
 def _validate(args) -> None:
     if args.quick:  # flags left at their defaults shrink; flags given explicitly stay
         args.prompts, args.max_new_tokens = min(args.prompts, 4), min(args.max_new_tokens, 32)
@@ -72,11 +65,11 @@ def _validate(args) -> None:
                                   ("temperatures", "0,1", "0"), ("rtt_ms", "0,10,50,100", "0,50")):
             if getattr(args, flag) == full:
                 setattr(args, flag, quick)
-    args.k_list = [int(k) for k in _floats(args.initial_k, "--initial-k")]
+    args.k_list = [int(k) for k in float_list(args.initial_k, "--initial-k")]
     if not args.k_list or any(not 1 <= k <= 64 for k in args.k_list):
         raise UsageError(f"--initial-k values must be in [1, 64], got '{args.initial_k}'")
-    args.rtt_list = _floats(args.rtt_ms, "--rtt-ms")
-    args.temp_list = _floats(args.temperatures, "--temperatures")
+    args.rtt_list = float_list(args.rtt_ms, "--rtt-ms")
+    args.temp_list = float_list(args.temperatures, "--temperatures")
     if any(r < 0 for r in args.rtt_list) or any(t < 0 for t in args.temp_list):
         raise UsageError("--rtt-ms and --temperatures must be >= 0")
     args.set_list = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -191,7 +184,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
     rows: List[Dict[str, Any]] = []
     configs = [("verifier", None, None)] + _runs(args)
 
-    async def regime(run_one, record) -> None:
+    async def regime(prompts, run_one, record) -> None:
         results: List[list] = [[] for _ in configs]
         walls = [0.0] * len(configs)
         for i, prompt in enumerate(prompts):
@@ -215,7 +208,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
                     return run_inprocess(v, d, prompt, i, args, temperature, policies.get(spec), eos, steering)
 
                 run_inprocess(v, d, prompts[0], 0, args, temperature, make_policy("fixed:k=4"), eos, steering)  # warm-up
-                await regime(inprocess, lambda **row: _record(rows, **common, regime="inprocess", **row))
+                await regime(prompts, inprocess, lambda **row: _record(rows, **common, regime="inprocess", **row))
             for rtt in args.rtt_list:
                 link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
                 # an SD² drafter goes by its directory: the cluster then loads it with its W_s hooks
@@ -226,7 +219,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
 
                     warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 4})
                     await run_services(cluster, prompts[0], 0, warm, temperature, "fixed:k=4")  # warm-up
-                    await regime(services, lambda rtt=rtt, **row: _record(rows, **common, regime=f"rtt{rtt:g}",
+                    await regime(prompts, services, lambda rtt=rtt, **row: _record(rows, **common, regime=f"rtt{rtt:g}",
                                                                           rtt_ms=rtt, **row))
     return rows
 

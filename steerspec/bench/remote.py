@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from steerspec.errors import UsageError
+from steerspec.errors import UsageError, float_list
 
 STAGES = ("draft", "network", "queue", "verify", "overhead")
 TARGET_OVERHEAD_MS = 1.0
@@ -46,16 +46,6 @@ FALLBACK_PROMPTS = [
     "class Stack:",
     "for name in sorted(",
 ]
-
-
-def _float_list(text: str, flag: str) -> List[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} expects comma-separated numbers, got '{text}'") from None
-    if not values or any(v < 0 or v != v or v == float("inf") for v in values):
-        raise UsageError(f"{flag} expects finite numbers >= 0, got '{text}'")
-    return values
 
 
 def _int_list(text: str, flag: str) -> List[int]:
@@ -483,9 +473,9 @@ def write_plot(report: Dict[str, Any], path: str) -> None:
 
 
 def _validate(args) -> None:
-    args.rtt_list = _float_list(args.rtt_ms, "--rtt-ms")
+    args.rtt_list = float_list(args.rtt_ms, "--rtt-ms", nonnegative=True)
     args.concurrency_list = _int_list(args.concurrency, "--concurrency")
-    args.concurrency_rtts = (_float_list(args.concurrency_rtt_ms, "--concurrency-rtt-ms")
+    args.concurrency_rtts = (float_list(args.concurrency_rtt_ms, "--concurrency-rtt-ms", nonnegative=True)
                              if args.concurrency_rtt_ms is not None else list(args.rtt_list))
     if args.prompts < 1:
         raise UsageError("--prompts must be >= 1")

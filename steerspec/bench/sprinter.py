@@ -28,7 +28,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from steerspec.errors import UsageError
+from steerspec.errors import UsageError, float_list
 
 SPRINTER = "sprinter@"  # row names of SPRINTER's configurations: sprinter@<threshold>
 
@@ -61,13 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", type=Path, default=None, help="trade-off plot (default: OUT with .png)")
 
 
-def _floats(text: str, name: str) -> List[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{name} must be comma-separated numbers, got {text!r}") from None
-
-
 @torch.inference_mode()
 def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> float:
     """The verifier's total log-likelihood (T = 1) of `tokens` after `prompt`."""
@@ -82,26 +75,25 @@ def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> f
 def first_token_tv(verifier, drafter, head, prompt: Sequence[int], config, threshold: float,
                    lam: float, steering=None) -> Dict[str, float]:
     """Closed-form d_TV(p, p_SPRINTER) of the first token at this prompt, with Theorem 1's bound there.
-    `drafter` is the CachedLM decoding uses; an SD² drafter's `steering` gets the prefill's vector first."""
+    `verifier` and `drafter` are the CachedLMs decoding uses; an SD² drafter's `steering` gets the
+    prefill's vector first."""
     from steerspec.engine import prefill
-    from steerspec.models import cached_lm
     from steerspec.sampling import draft_distribution, probs_from_logits
     from steerspec.sprinter import features as F
     from steerspec.sprinter import theory
 
     params = config.sampling
-    cached = drafter
-    cached.reset()
+    drafter.reset()
     if steering is not None:  # as the first block decodes: prompt[:-1] unsteered, the last token steered
-        steering.begin_block(prefill(cached_lm(verifier), prompt, steering.verifier_layers))
-    out = cached.extend(prompt, [cached.num_layers - 1])
+        steering.begin_block(prefill(verifier, prompt, steering.verifier_layers))
+    out = drafter.extend(prompt, [drafter.num_layers - 1])
     probs = probs_from_logits(out.logits[-1:], params.temperature, params.top_k, params.top_p)
     q = draft_distribution(probs, config.draft_top_k, config.draft_tail).to_dense(probs.shape[-1])[0].float()
-    p = probs_from_logits(verifier(input_ids=torch.tensor([list(prompt)], device=verifier.device)).logits[0, -1:],
+    p = probs_from_logits(verifier.model(input_ids=torch.tensor([list(prompt)], device=verifier.device)).logits[0, -1:],
                           params.temperature, params.top_k, params.top_p)[0].float()
     vocab = q.shape[-1]
     xs = torch.arange(vocab, device=q.device)
-    embed = cached.model.get_input_embeddings().weight
+    embed = drafter.model.get_input_embeddings().weight
     hidden = out.hidden[0, -1].float().expand(vocab, -1)
     feats = F.build_features(hidden, embed[xs].float(), q, F.entropy(probs[0].float()).expand(vocab))
     keep = (head.prob(feats) >= threshold).float()
@@ -135,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.steering.io import has_steering
     from steerspec.steering.runtime import maybe_steering
 
-    thresholds = _floats(args.thresholds, "--thresholds")
-    rtts = _floats(args.rtts, "--rtts")
+    thresholds = float_list(args.thresholds, "--thresholds")
+    rtts = float_list(args.rtts, "--rtts")
     if any(not 0 < t < 1 for t in thresholds):
         raise UsageError(f"--thresholds must each be in (0, 1), got {args.thresholds}")
     if args.max_run < 1:
@@ -216,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
                         "draft_ms_per_token": 1000 * t_draft,
                         "expected_stop_ms": statistics.mean(theory.expected_stop_time(
                             eta_tp, eta_fp, r, 1000 * t_draft, args.max_run) for r in rs) if rs else 0.0})
-            tvs = [first_token_tv(verifier_model, drafter, loaded.head, ids, base, row["threshold"], loaded.lam,
-                                  steer) for ids in prompts]
+            tvs = [first_token_tv(verifier, drafter, loaded.head, ids, base, row["threshold"], loaded.lam, steer)
+                   for ids in prompts]
             row["first_token_tv"] = statistics.mean(t["tv"] for t in tvs)
             row["first_token_tv_bound"] = statistics.mean(t["bound"] for t in tvs)
         rows[name] = row
@@ -277,7 +269,7 @@ def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thr
 
     from steerspec.bench import sprinter_services
 
-    rtts = _floats(args.services_rtts, "--services-rtts")
+    rtts = float_list(args.services_rtts, "--services-rtts")
     if any(r < 0 for r in rtts):
         raise UsageError(f"--services-rtts must be >= 0, got {args.services_rtts}")
     rows = asyncio.run(sprinter_services.measure(

@@ -5,14 +5,13 @@ held-out training-split prompts (the head never saw them) are replayed offline. 
 candidate, Pacer's stop rule runs on the head's predicted acceptances of a block's drafts, giving a
 stop length n; the block then commits min(L, n) + 1 tokens (L = the drafts the verifier accepted)
 and costs n·d + ⌈n/b⌉·r + v0 + v1·(n + 1) + rtt ms, with d (a draft step of the real draft loop),
-r (one pass of the Pacer layer), v0 and v1 measured on the pair. `tune` pools independent blocks;
-`tune_decoding` replays greedy decoding itself: with a block labelled at *every* answer position,
-each prompt's blocks are chained as decoding chains them (the next block starts where the last
-one's committed tokens end), so the blocks scored are the ones decoding meets, not a uniform
-sample of positions. The candidate with the most committed tokens per ms wins; fixed k is
-replayed the same way so the report shows the best fixed k under the same model; with several costs
-(one per network RTT) the candidate whose worst gain over the best fixed k across them is highest
-wins. Pure tensor math apart from `measure_costs`.
+r (one pass of the Pacer layer), v0 and v1 measured on the pair. `tune` pools independent blocks,
+or, given `chains`, replays greedy decoding itself: with a block labelled at *every* answer
+position, each prompt's blocks are chained as decoding chains them (the next block starts where the
+last one's committed tokens end), so the blocks scored are the ones decoding meets, not a uniform
+sample of positions. Fixed k is replayed the same way; the candidate whose worst gain over the best
+fixed k across the given costs (one per network RTT; with one cost, simply the most committed
+tokens per ms) is highest wins. Pure tensor math apart from `measure_costs`.
 """
 
 from __future__ import annotations
@@ -94,12 +93,13 @@ def visited(stop: torch.Tensor, accepted: torch.Tensor, chains: Sequence[Tuple[i
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _rate(stop, accepted, cost, b, chains) -> float:
-    """Tokens per ms over every block (chains None) or over the blocks decoding visits."""
-    if chains is not None:
-        rows = visited(stop, accepted, chains)
-        stop, accepted = stop[rows], accepted[rows]
-    return tokens_per_ms(stop, accepted, cost, b)
+def _scored(stop, accepted, chains) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(stop, accepted) of the blocks that count: every block (chains None) or those decoding visits
+    (the walk depends on the stop lengths only, not on the cost, so it runs once per candidate)."""
+    if chains is None:
+        return stop, accepted
+    rows = visited(stop, accepted, chains)
+    return stop[rows], accepted[rows]
 
 
 def tune(acceptance: torch.Tensor, accepted: torch.Tensor, cost: Union[BlockCost, Sequence[BlockCost]], cap: int,
@@ -109,27 +109,31 @@ def tune(acceptance: torch.Tensor, accepted: torch.Tensor, cost: Union[BlockCost
     """The (b, t, ρ) whose worst gain over the best fixed k (replayed under the same model) across the
     given costs (e.g. one per network RTT) is highest; with one cost, the most committed tokens per ms
     (ties go to the earlier, i.e. smaller, setting). With `chains` (see `decoding_chains`) only the
-    blocks greedy decoding would visit count. Per cost: the rate, the best fixed k and its rate."""
+    blocks greedy decoding would visit count. Per cost: the rate, the best fixed k and its rate; `blocks`:
+    the blocks the chosen setting is scored on."""
     costs = [cost] if isinstance(cost, BlockCost) else list(cost)
-    fixed = [{k: _rate(torch.full_like(accepted, k), accepted, c, 0, chains) for k in range(1, cap + 1)}
-             for c in costs]
-    best_k = [max(f, key=lambda k, f=f: (f[k], -k)) for f in fixed]
+
+    def rates(stop: torch.Tensor, b: int) -> List[float]:  # tokens per ms under each cost
+        n, a = _scored(stop, accepted, chains)
+        return [tokens_per_ms(n, a, c, b) for c in costs]
+
+    by_k = {k: rates(torch.full_like(accepted, k), 0) for k in range(1, cap + 1)}
+    best_k = [max(by_k, key=lambda k, i=i: (by_k[k][i], -k)) for i in range(len(costs))]
+    best_fixed = [by_k[k][i] for i, k in enumerate(best_k)]
     best: Tuple[float, int, float, float] = (-1.0, 0, 0.0, 0.0)
     for b in b_grid:
         for t in t_grid:
             for rho in rho_grid:
-                stop = stop_lengths(acceptance, b, t, rho, cap)
-                gain = min(_rate(stop, accepted, c, b, chains) / f[k] for c, f, k in zip(costs, fixed, best_k))
+                gain = min(r / f for r, f in zip(rates(stop_lengths(acceptance, b, t, rho, cap), b), best_fixed))
                 if gain > best[0] + 1e-12:
                     best = (gain, b, t, rho)
     gain, b, t, rho = best
     stop = stop_lengths(acceptance, b, t, rho, cap)
-    rows = visited(stop, accepted, chains) if chains is not None else torch.arange(len(stop))
-    per_cost = [{"rtt_ms": c.rtt_ms, "tokens_per_s": round(1000 * _rate(stop, accepted, c, b, chains), 4),
-                 "best_fixed_k": k, "best_fixed_tokens_per_s": round(1000 * f[k], 4),
-                 "gain": round(_rate(stop, accepted, c, b, chains) / f[k], 4)}
-                for c, f, k in zip(costs, fixed, best_k)]
-    return {"b": b, "t": t, "rho": rho, "mean_drafts": round(float(stop[rows].float().mean()), 3),
+    per_cost = [{"rtt_ms": c.rtt_ms, "tokens_per_s": round(1000 * r, 4), "best_fixed_k": k,
+                 "best_fixed_tokens_per_s": round(1000 * f, 4), "gain": round(r / f, 4)}
+                for c, r, k, f in zip(costs, rates(stop, b), best_k, best_fixed)]
+    drafts = _scored(stop, accepted, chains)[0]
+    return {"b": b, "t": t, "rho": rho, "mean_drafts": round(float(drafts.float().mean()), 3), "blocks": len(drafts),
             "gain_over_best_fixed": round(gain, 4), **{key: per_cost[0][key] for key in
                                                         ("tokens_per_s", "best_fixed_k", "best_fixed_tokens_per_s")},
             "per_rtt": per_cost, "replay": "decoding" if chains is not None else "blocks"}
@@ -145,10 +149,11 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9, rtt_ms: float = 0.0,
+def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
                   stop_head: Optional[Callable[[], object]] = None) -> BlockCost:
     """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), verify passes
-    of 1 and 9 tokens after `prompt` (CachedLMs), and one call of `stop_head` (a policy's head) if given."""
+    of 1 and 9 tokens after `prompt` (CachedLMs), and one call of `stop_head` (a policy's head) if given;
+    no network (add one per RTT with `dataclasses.replace(cost, rtt_ms=...)`)."""
     from steerspec.engine import draft_block
     from steerspec.rounds import DecodeConfig
 
@@ -177,4 +182,4 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9, rt
     one, nine = _median_ms(step(verifier, 1), repeats), _median_ms(step(verifier, 9), repeats)
     v1 = max(0.0, (nine - one) / 8)
     round_ms = _median_ms(stop_head, 3 * repeats) if stop_head is not None else 0.0
-    return BlockCost(draft_ms=draft_ms, v0=max(0.0, one - v1), v1=v1, rtt_ms=rtt_ms, round_ms=round_ms)
+    return BlockCost(draft_ms=draft_ms, v0=max(0.0, one - v1), v1=v1, round_ms=round_ms)

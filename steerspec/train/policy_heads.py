@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from steerspec.errors import UsageError
+from steerspec.errors import UsageError, float_list
 
 MODEL_CARD = """# {kind} head for drafter `{drafter}` (verifier `{verifier}`)
 
@@ -58,7 +58,7 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
     (blocks labelled at every answer position) under the pair's measured costs (None without blocks:
     the policy then keeps Table 10's values)."""
     from steerspec.models import cached_lm
-    from steerspec.train.pacer_tune import decoding_chains, measure_costs, stop_lengths, tune, visited
+    from steerspec.train.pacer_tune import decoding_chains, measure_costs, tune
 
     if len(trajectory["label"]) == 0:
         return None
@@ -78,8 +78,7 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
     cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, stop_head=one_round)
     costs = [replace(cost, rtt_ms=rtt) for rtt in args.tune_rtts]
     result = tune(acceptance, accepted, costs, cap=args.gamma, chains=chains)
-    stop = stop_lengths(acceptance, result["b"], result["t"], result["rho"], args.gamma)  # the chosen setting's
-    return {**result, "tune_prompts": len(chains), "blocks": int(len(visited(stop, accepted, chains))),
+    return {**result, "tune_prompts": len(chains),
             "draft_ms": round(cost.draft_ms, 3), "round_ms": round(cost.round_ms, 3), "v0": round(cost.v0, 3),
             "v1": round(cost.v1, 3), "rtts_ms": list(args.tune_rtts)}
 
@@ -312,12 +311,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
 
     if args.gamma < 2 or args.prompts < 4 or args.stride < 1 or args.epochs < 1:
         raise UsageError("need --gamma >= 2, --prompts >= 4, --stride >= 1, --epochs >= 1")
-    try:
-        args.tune_rtts = [float(x) for x in str(args.tune_rtt_ms).split(",") if x.strip()]
-    except ValueError:
-        args.tune_rtts = []
-    if not args.tune_rtts or any(r < 0 for r in args.tune_rtts):
-        raise UsageError(f"--tune-rtt-ms takes comma-separated RTTs >= 0, got '{args.tune_rtt_ms}'")
+    args.tune_rtts = float_list(args.tune_rtt_ms, "--tune-rtt-ms", nonnegative=True)
     torch.set_num_threads(max(1, args.threads))
     seed_everything(args.seed)
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
