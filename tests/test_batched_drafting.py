@@ -19,7 +19,7 @@ from drafter_service.sessions import Drafter, DrafterSessionTable, Proposal
 from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.models import load_model
-from steerspec.models.batched import batched_extend, can_batch
+from steerspec.models.batched import batched_extend, can_batch, packed_extend
 from steerspec.models.kv import CachedLM, FastCachedLM
 from steerspec.policies.base import PolicyBase
 from steerspec.policies.fixed import FixedK
@@ -106,6 +106,49 @@ def test_batched_extend_matches_extend_per_row(name):
     lone.extend(prompts[1])
     twin.extend(prompts[1])
     assert torch.equal(batched_extend([lone], torch.tensor([3])), twin.extend([3]).logits)  # a batch of one: extend
+
+
+def test_packed_extend_matches_extend_per_row():
+    """Several tokens per row (a verifier's [pending, drafts]): ragged caches and feeds (1 to 9
+    tokens, one row growing its buffers), per-row biases, hidden states; then a rollback and again."""
+    torch.set_num_threads(1)
+    model = load_model("verifier")
+    vocab, width, layers = model.config.vocab_size, model.config.intermediate_size, model.config.num_hidden_layers
+    lengths = [1, 6, 15, 14]
+    prompts = _prompts(vocab, lengths, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    biases = [None, [torch.randn(width, generator=gen) for _ in range(layers)], None, None]
+    rows = [FastCachedLM(model, capacity=16) for _ in lengths]
+    alone = [FastCachedLM(model, capacity=16) for _ in lengths]
+    for lm, twin, prompt, bias in zip(rows, alone, prompts, biases):
+        lm.extend(prompt)
+        twin.extend(prompt)
+        lm.set_up_bias(bias)
+        twin.set_up_bias(bias)
+    taps = [0, 1, layers]
+    for counts in ([5, 1, 9, 3], [2, 4, 1, 6]):
+        feeds = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in counts]
+        got = packed_extend(rows, feeds, taps)
+        for out, twin, feed in zip(got, alone, feeds):
+            want = twin.extend(feed, taps)
+            assert out.logits.shape == (len(feed), vocab) and out.hidden.shape == want.hidden.shape
+            torch.testing.assert_close(out.logits, want.logits, **LOGIT_TOL)
+            torch.testing.assert_close(out.hidden, want.hidden, **LOGIT_TOL)
+        assert [lm.length for lm in rows] == [twin.length for twin in alone]
+        for lm, twin in zip(rows, alone):  # keep two of the fed tokens, as a verifier keeps accepted ones
+            lm.rollback(lm.length - len(feeds[0]) + 2 if lm is rows[0] else lm.length - 1)
+            twin.rollback(lm.length)
+    for lm, twin in zip(rows, alone):
+        for layer in range(lm.num_layers):
+            torch.testing.assert_close(lm._keys[layer][:, :, : lm.length], twin._keys[layer][:, :, : twin.length],
+                                       **LOGIT_TOL)
+    plain = [CachedLM(model) for _ in range(2)]  # transformers caches: each row's own extend
+    for lm, prompt in zip(plain, prompts):
+        lm.extend(prompt)
+    outs = packed_extend(plain, [[4, 5], [6]])
+    assert [o.logits.shape[0] for o in outs] == [2, 1] and [lm.length for lm in plain] == [3, 7]
+    with pytest.raises(ValueError, match="one feed per sequence"):
+        packed_extend(rows, [[1]])
 
 
 def test_batched_extend_falls_back_to_per_row_extend(drafter_model):

@@ -16,7 +16,8 @@ from steerspec import wire
 from steerspec.models import load_model
 from steerspec.steering import SteeringHead, default_layers
 from steerspec.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.server import VerifierConfig, serve
+from verifier_service import fast_verify
+from verifier_service.server import VerifierConfig, VerifierServicer, serve
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -98,6 +99,24 @@ async def test_concurrent_sessions_batched_and_exact(server, model):
     for (out, _), reference in zip(runs, references):
         assert out == reference
     assert max(max(sizes) for _, sizes in runs) > 1, "concurrent blocks were never batched"
+
+
+async def test_transformers_cache_backend_batched_and_exact(model):
+    """`--kv-backend hf`: sessions on transformers caches (the padded batched pass) stay exact."""
+    srv = await start(model, batch_window_ms=5.0, kv_backend="hf")
+    try:
+        prompts = [[5, 6, 7, 8], [9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+        references = [greedy_reference(model, p, 16) for p in prompts]
+        runs = await asyncio.gather(*[greedy_session(srv.stub, p, r, 16, random.Random(i))
+                                      for i, (p, r) in enumerate(zip(prompts, references))])
+        assert [out for out, _ in runs] == references
+        assert max(max(sizes) for _, sizes in runs) > 1, "concurrent blocks were never batched"
+        assert srv.servicer.table.kv_backend == "hf"
+        assert type(fast_verify.session_lm(model, "hf")).__name__ == "CachedLM"
+    finally:
+        await srv.stop()
+    with pytest.raises(ValueError, match="unknown KV backend 'paged'"):
+        VerifierServicer(model, VerifierConfig(kv_backend="paged"))
 
 
 async def sampled_session(stub, prompt, seed, blocks=6, k=3):
@@ -327,3 +346,69 @@ async def test_cancelling_a_session_mid_batch_keeps_the_batch_exact(model):
         await call_b.done_writing()
     finally:
         await srv.stop()
+
+
+async def test_packed_fast_sessions_verify_as_the_transformers_path(model):
+    """Sessions on FastCachedLM (what a CPU replica gives them: one packed pass per batch) return
+    what transformers-cache sessions return for the same blocks and seeds: accepted counts, next
+    tokens, steering vectors; batches of three ragged sessions and of one, greedy and sampled."""
+    from steerspec.models.kv import CachedLM, FastCachedLM
+    from steerspec.sampling import SamplingParams, SparseDist
+    from steerspec.wire import WireBlock
+    from verifier_service.batcher import VerifyJob, VerifyRunner
+    from verifier_service.sessions import VerifierSession
+
+    head = SteeringHead(model.config.hidden_size, default_layers(model.config.num_hidden_layers))
+    with torch.no_grad():
+        head.proj.weight.add_(0.05 * torch.randn_like(head.proj.weight))
+    runner, vocab = VerifyRunner(model, steering_head=head.eval()), model.config.vocab_size
+    assert isinstance(fast_verify.session_lm(model), FastCachedLM)  # a CPU replica's sessions
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (5, 12, 1)]
+    temps = [0.0, 1.0, 0.8]
+
+    def open_all(cache):
+        sessions = [VerifierSession(session_id=str(i), lm=cache(model), committed=len(p), pending=p[-1],
+                                    params=SamplingParams(temperature=t), generator=torch.Generator().manual_seed(i),
+                                    max_k=16, steering=i != 2)
+                    for i, (p, t) in enumerate(zip(prompts, temps))]
+        return sessions, [runner.prefill(s, p) for s, p in zip(sessions, prompts)]
+
+    fast, fast_g = open_all(FastCachedLM)
+    slow, slow_g = open_all(CachedLM)
+    for a, b in zip(fast_g, slow_g):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-4))
+    accepted, texts = [], [list(p) for p in prompts]
+    for round_ in range(5):
+        rows = [0] if round_ == 2 else [0, 1, 2]  # round 2: a batch of one
+        blocks = []
+        for i in rows:
+            k = 2 + (i + round_) % 4  # the verifier's greedy continuation, its last draft random
+            last = int(torch.randint(0, vocab, (1,), generator=gen))
+            ids = torch.tensor(greedy_reference(model, texts[i], k - 1) + [last])
+            if temps[i] == 0.0:
+                q = None
+            else:  # a sparse q over 8 ids, the draft among them
+                support = torch.randint(0, vocab, (k, 8), generator=gen)
+                support[:, 0] = ids
+                q = SparseDist(ids=support, probs=torch.softmax(torch.randn(k, 8, generator=gen), -1),
+                               floor=torch.zeros(k), vocab=vocab)
+            blocks.append((i, ids, q))
+        results = []
+        for sessions in (fast, slow):
+            jobs = [VerifyJob(sessions[i], WireBlock(round_ + 1, sessions[i].committed, ids.numpy(), q))
+                    for i, ids, q in blocks]
+            results.append(runner.run(jobs))
+            for job, result in zip(jobs, results[-1]):
+                job.session.committed += result.accepted + 1
+                job.session.pending = result.next_token
+        for (i, ids, _), result in zip(blocks, results[0]):
+            texts[i] += ids[: result.accepted].tolist() + [result.next_token]
+        for got, want in zip(*results):
+            assert (got.accepted, got.next_token, got.is_bonus) == (want.accepted, want.next_token, want.is_bonus)
+            assert (got.steering is None) == (want.steering is None)
+            if got.steering is not None:
+                torch.testing.assert_close(got.steering, want.steering, atol=1e-4, rtol=1e-4)
+            accepted.append(got.accepted)
+        assert [s.lm.length for s in fast] == [s.lm.length for s in slow] == [s.committed - 1 for s in fast]
+    assert len(set(accepted)) > 1  # both accepting and rejecting blocks were compared

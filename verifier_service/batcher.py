@@ -5,12 +5,15 @@
 hands them to `VerifyRunner.run` on a single compute thread; the event loop keeps reading other
 streams meanwhile.
 
-Ragged batches: session i has a cache of L_i tokens and feeds n_i = k_i + 1 new tokens. Caches
-are copied right-padded into [B, H, L_max, D], new tokens right-padded to T = max n_i and placed
-after L_max; a 2-D attention mask hides the holes and position ids continue each session's own
-sequence (L_i + j). After the pass each session keeps only its accepted positions, appended to
-its own cache. A batch of one uses the session's cache directly (no copies). Acceptance runs per
-session with its own generator, so seeded sampling does not depend on who shared the batch.
+Ragged batches: session i has a cache of L_i tokens and feeds n_i = k_i + 1 new tokens. Fast
+caches (FastCachedLM, what sessions get on a CPU) are fed by `packed_extend`: the rows' tokens
+packed into one sequence for the projections and MLP, attention per row over its own buffers, no
+copies; each cache then rolls back to its accepted positions. Transformers caches are copied
+right-padded into [B, H, L_max, D], new tokens right-padded to T = max n_i and placed after
+L_max; a 2-D attention mask hides the holes and position ids continue each session's own
+sequence (L_i + j); each session then appends its accepted positions to its own cache. A batch of
+one uses the session's cache directly. Acceptance runs per session with its own generator, so
+seeded sampling does not depend on who shared the batch.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch import Tensor
 
 from steerspec.batching import WindowBatcher
 from steerspec import verifying
+from steerspec.models.batched import packed_extend
+from steerspec.models.kv import FastCachedLM
 from steerspec.verifying import VerifyRow
 from steerspec.wire import WireBlock
 from verifier_service import fast_verify
@@ -78,7 +83,7 @@ class VerifyRunner:
     @torch.inference_mode()
     def prefill(self, session: VerifierSession, prompt: List[int]) -> Optional[Tensor]:
         """Feed prompt[:-1]; return the steering vector for block 1 when the session asked for one."""
-        if fast_verify.applies([session.lm]):  # static/graphed cache, device acceptance (CUDA)
+        if isinstance(session.lm, FastCachedLM):  # fast/graphed cache, on either path
             return fast_verify.prefill(self, session, prompt)
         lm = session.lm
         lm.reset()
@@ -110,22 +115,29 @@ class VerifyRunner:
         batch = len(jobs)
         feeds = [[job.session.pending, *job.block.draft_ids.tolist()] for job in jobs]
         want_hidden = self.head is not None and any(job.session.steering for job in jobs)
-        if batch == 1:
+        packed = all(isinstance(job.session.lm, FastCachedLM) for job in jobs)
+        if packed:
+            outs = packed_extend([job.session.lm for job in jobs], feeds,
+                                 fast_verify._layers(self) if want_hidden else None)
+            logits: Sequence[Tensor] = [out.logits for out in outs]
+        elif batch == 1:
             logits, hidden_states = self._forward_single(jobs[0].session, feeds[0], want_hidden)
         else:
             logits, hidden_states, new_kv = self._forward_batch(jobs, feeds, want_hidden)
         accepted, next_tokens, is_bonus = self._accept(jobs, logits)
         steering: List[Optional[Tensor]] = [None] * batch
         if want_hidden:
-            rows = torch.arange(batch)
-            g = self._steering(hidden_states, rows, torch.tensor(accepted))
+            if packed:  # [B, L, D] at each row's new-pending position
+                g = fast_verify._head(self, torch.stack([out.hidden[:, a] for out, a in zip(outs, accepted)]))
+            else:
+                g = self._steering(hidden_states, torch.arange(batch), torch.tensor(accepted))
             steering = [g[i] if job.session.steering else None for i, job in enumerate(jobs)]
         # keep the accepted positions: the verifier cache ends at committed + a (pending excluded)
         for i, job in enumerate(jobs):
             session = job.session
             if session.closed:
                 continue
-            if batch == 1:  # fed pending + k drafts onto n - 1 cached tokens; keep n + a
+            if packed or batch == 1:  # fed pending + k drafts onto n - 1 cached tokens; keep n + a
                 session.lm.rollback(session.committed + accepted[i])
             else:
                 cache = session.lm.cache
@@ -190,13 +202,14 @@ class VerifyRunner:
         new_kv = [(lay.keys[:, :, l_max:], lay.values[:, :, l_max:]) for lay in cache.layers]
         return out.logits, out.hidden_states, new_kv
 
-    def _accept(self, jobs: List[VerifyJob], logits: Tensor):
+    def _accept(self, jobs: List[VerifyJob], logits: Sequence[Tensor]):
         """Every session's acceptance in one call (steerspec/verifying.py; one generator per row)."""
         rows = []
         for i, job in enumerate(jobs):
             q = job.block.q if not job.session.greedy else None
-            rows.append(VerifyRow(logits[i], torch.from_numpy(job.block.draft_ids).to(logits.device),
-                                  None if q is None else q.map(lambda t: t.to(logits.device)),
+            device = logits[i].device
+            rows.append(VerifyRow(logits[i], torch.from_numpy(job.block.draft_ids).to(device),
+                                  None if q is None else q.map(lambda t: t.to(device)),
                                   job.session.params, job.session.generator))
         outcome = verifying.accept(rows)
         return outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()

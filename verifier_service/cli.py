@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="longest wait to batch blocks of concurrent sessions (ends early when all submitted)")
     parser.add_argument("--max-batch", type=int, default=64, help="most blocks in one forward pass")
+    parser.add_argument("--kv-backend", default="auto", choices=["auto", "fast", "hf"],
+                        help="sessions' KV caches: auto (the device path's graphed cache on CUDA, else the lean "
+                             "fast forward), fast, or hf (transformers' forward and cache)")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0, help="expire sessions idle this long (0 = never)")
     parser.add_argument("--steering-head", default=None,
                         help="SD² checkpoint directory whose steering head W_hml this verifier runs")
@@ -87,7 +90,7 @@ async def _main(args) -> int:
         args.max_cache_mb = default_cache_mb(next(model.parameters()).device)
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
-                            max_batch=args.max_batch,
+                            max_batch=args.max_batch, kv_backend=args.kv_backend,
                             model_name=str(args.model))
     metrics = service_metrics.start("verifier", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,

@@ -1,10 +1,12 @@
 """The verifier service on the device path: sessions in slots of a static KV pool (graphed on
 CUDA) and batches verified by `steerspec.fastpath.verify_blocks` (one forward pass, acceptance
 on the device, one device→host copy per batch). Used when `fastpath.enabled(device)` (CUDA by
-default, STEERSPEC_DEVICE_SAMPLING); otherwise the service keeps its transformers-cache path.
+default, STEERSPEC_DEVICE_SAMPLING); otherwise sessions keep a FastCachedLM and the host path
+(`VerifyRunner.run`: one packed pass, acceptance on the host).
 
 Hooks (a line or two each): `VerifierSessions.open` builds the session's cache with `session_lm`;
-`VerifyRunner.prefill` and `VerifyRunner.run` hand over to `prefill`/`run` when `applies`.
+`VerifyRunner.prefill` hands over to `prefill` for any fast cache, `VerifyRunner.run` to `run`
+when `applies`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ from steerspec.models.kv import CachedLM, FastCachedLM, cached_lm
 from steerspec.speculative import DraftBlock
 
 
-def session_lm(model) -> CachedLM:
-    """A session's verifier cache: graphed/fast when the device path serves this model, else the
-    transformers cache the batched HF path needs."""
-    if fastpath.enabled(model.device) and FastCachedLM.supports(model):
-        return cached_lm(model)
-    return CachedLM(model)
+KV_BACKENDS = ("auto", "fast", "hf")
+
+
+def session_lm(model, backend: str = "auto") -> CachedLM:
+    """A session's verifier cache (`--kv-backend`). auto: graphed/fast when the device path serves
+    this model, the lean FastCachedLM on the host path (a CPU; `VerifyRunner.run` packs its
+    batches), the transformers cache for architectures the fast forward does not cover. fast: a
+    FastCachedLM on either path. hf: the transformers cache (its padded batched pass)."""
+    if backend not in KV_BACKENDS:
+        raise ValueError(f"unknown KV backend {backend!r}: use one of {', '.join(KV_BACKENDS)}")
+    if backend == "hf" or not FastCachedLM.supports(model):
+        return CachedLM(model)
+    return cached_lm(model) if backend == "auto" and fastpath.enabled(model.device) else FastCachedLM(model)
 
 
 def applies(lms: Sequence[CachedLM]) -> bool:
@@ -45,7 +54,8 @@ def _head(runner, states: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def prefill(runner, session, prompt: List[int]) -> Optional[Tensor]:
-    """`VerifyRunner.prefill` on a fast/graphed cache: feed prompt[:-1]; steering for block 1."""
+    """`VerifyRunner.prefill` on a fast/graphed cache (either path): feed prompt[:-1]; steering for
+    block 1."""
     lm = session.lm
     lm.reset()
     feed = prompt[:-1]

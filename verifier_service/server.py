@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import grpc
-import torch
 
 from steerspec import rounds
 from steerspec import wire
@@ -44,6 +43,7 @@ class VerifierConfig:
     max_batch: int = 64
     replica: str = ""
     model_name: str = ""
+    kv_backend: str = "auto"  # sessions' KV caches: auto | fast | hf (verifier_service/fast_verify.session_lm)
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> verifier_pb2.VerifyResponse:
@@ -63,7 +63,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         self.vocab_size = int(model.config.vocab_size)
         self.context = context_length(model)
         self.head = steering_head
-        self.table = SessionTable(model, config.max_sessions, int(config.max_cache_mb * 2**20))
+        self.table = SessionTable(model, config.max_sessions, int(config.max_cache_mb * 2**20),
+                                  config.kv_backend)
         self.runner = VerifyRunner(model, steering_head)
         self.batcher = Batcher(self.runner, config.batch_window_ms / 1e3, lambda: self.table.ready_count,
                                max_batch=config.max_batch)

@@ -53,8 +53,11 @@ class VerifierSession:
 class SessionTable:
     """Open sessions with the replica's limits (sessions, KV-cache memory)."""
 
-    def __init__(self, model, max_sessions: int, max_cache_bytes: int) -> None:
+    def __init__(self, model, max_sessions: int, max_cache_bytes: int, kv_backend: str = "auto") -> None:
+        if kv_backend not in fast_verify.KV_BACKENDS:
+            raise ValueError(f"unknown KV backend {kv_backend!r}: use one of {', '.join(fast_verify.KV_BACKENDS)}")
         self.model = model
+        self.kv_backend = kv_backend
         self.max_sessions = int(max_sessions)
         self.max_cache_bytes = int(max_cache_bytes)
         self.bytes_per_token = kv_bytes_per_token(model)
@@ -101,8 +104,8 @@ class SessionTable:
                                 f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         self.check_room(None, prompt_len + max_k)
-        session = VerifierSession(session_id=session_id, lm=fast_verify.session_lm(self.model), committed=prompt_len,
-                                  max_k=max_k, **fields)
+        session = VerifierSession(session_id=session_id, lm=fast_verify.session_lm(self.model, self.kv_backend),
+                                  committed=prompt_len, max_k=max_k, **fields)
         self.sessions[session_id] = session
         self.reserved[session_id] = prompt_len + max_k
         return session

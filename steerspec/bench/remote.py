@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--bandwidth-mbps", type=float, default=0.0)
     parser.add_argument("--batch-window-ms", type=float, default=None, help="verifier batch window (server default)")
+    parser.add_argument("--kv-backend", default="auto", choices=["auto", "fast", "hf"],
+                        help="the verifier sessions' KV caches (`serve verifier --kv-backend`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine baseline")
@@ -209,7 +211,7 @@ class RayCluster:
         self.args = args
         self.trace_file = os.path.join(workdir, "coordinator.jsonl")
         gpus = 1 if args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
-        options = {} if args.batch_window_ms is None else {"batch_window_ms": args.batch_window_ms}
+        options = _verifier_options(args)
         services = Services(verifier=str(args.verifier_dir), drafter=str(args.drafter_dir), drafters=args.drafters,
                             dtype=args.dtype, device="cuda" if gpus else "cpu", tokenizer=str(args.verifier_dir),
                             num_threads=args.threads if args.threads > 0 else None, trace_file=self.trace_file,
@@ -256,6 +258,14 @@ class RayCluster:
         await self.deployment.stop()
 
 
+def _verifier_options(args) -> Dict[str, Any]:
+    """VerifierConfig fields the bench sets: the KV backend, the batch window when given."""
+    options: Dict[str, Any] = {"kv_backend": args.kv_backend}
+    if args.batch_window_ms is not None:
+        options["batch_window_ms"] = args.batch_window_ms
+    return options
+
+
 async def _sequential(cluster, prompts, args, mode: str) -> List[Any]:
     results = []
     for i, prompt in enumerate(prompts):
@@ -287,7 +297,7 @@ async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dic
     from steerspec.linkemu import LinkModel
 
     rows = []
-    verifier_options = {} if args.batch_window_ms is None else {"batch_window_ms": args.batch_window_ms}
+    verifier_options = _verifier_options(args)
     engine = None
     steered = steering_dir(args.drafter_dir) is not None  # an SD² drafter is measured steered everywhere
     if not args.no_engine:
@@ -532,7 +542,8 @@ def run(args: argparse.Namespace) -> int:
                    "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,
                    "top_p": args.top_p, "concurrency": args.concurrency_list,
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
-                   "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"]},
+                   "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"],
+                   "kv_backend": args.kv_backend},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -9,19 +9,24 @@ Logits equal per-row `lm.extend([t])` to ~1e-6, not bit for bit: a B-row GEMM su
 order than a one-row GEMV. A batch of one is `lm.extend` itself. When the fast path cannot run
 (`can_batch` is False) each row runs its own `extend`.
 
+`packed_extend(lms, feeds)` is the same with several tokens per row (a verifier scoring each
+session's [pending, d_1..d_k]): the rows' tokens are packed into one sequence for the
+projections and the MLP, attention runs per row with its own causal mask. No padding.
+
 This module reads FastCachedLM's internals (same package): plans, buffers, rotary tables.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from steerspec.models.graphed import can_graph, graphed_step
-from steerspec.models.kv import CachedLM, FastCachedLM, _has_global_hooks, _hook_state, _rms_norm, _rotate_half
+from steerspec.models.kv import (CachedLM, FastCachedLM, StepOutput, _has_global_hooks, _hook_state, _rms_norm,
+                                 _rotate_half)
 
 
 def can_batch(lms: Sequence[CachedLM]) -> bool:
@@ -111,6 +116,84 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
         if lm.keep_last_hidden:
             lm.last_hidden = normed[row]
     return first.project(normed)
+
+
+@torch.inference_mode()
+def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], Tensor]],
+                  hidden_layers: Optional[Sequence[int]] = None) -> List[StepOutput]:
+    """Feed feeds[i] after lms[i]'s cached prefix, every row in one pass; per row, what
+    `lms[i].extend(feeds[i], hidden_layers)` returns (logits [n_i, V], hidden [L, n_i, D])."""
+    if len(lms) != len(feeds):
+        raise ValueError(f"need one feed per sequence: {len(lms)} sequences, {len(feeds)} feeds")
+    if len(lms) == 1 or not can_batch(lms) or any(len(feed) == 0 for feed in feeds):
+        return [lm.extend(feed, hidden_layers) for lm, feed in zip(lms, feeds)]
+    first: FastCachedLM = lms[0]  # type: ignore[assignment]
+    layers = list(hidden_layers or ())
+    for index in layers:
+        if not 0 <= index <= first.num_layers:
+            raise ValueError(f"layer {index} out of range (model has {first.num_layers} layers)")
+    device = first.device
+    ids = [lm.as_tensor(feed).view(-1) for lm, feed in zip(lms, feeds)]
+    counts = [int(t.numel()) for t in ids]
+    starts = [lm.length for lm in lms]
+    for lm, start, n in zip(lms, starts, counts):
+        lm._grow(start + n)
+    total = sum(counts)
+    hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
+    gqa = heads != kv_heads
+    cos = torch.cat([lm._cos[s : s + n] for lm, s, n in zip(lms, starts, counts)]).view(total, 1, hd)
+    sin = torch.cat([lm._sin[s : s + n] for lm, s, n in zip(lms, starts, counts)]).view(total, 1, hd)
+    masks = [None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=device).tril_(diagonal=s)
+             for s, n in zip(starts, counts)]
+    spans = []
+    offset = 0
+    for n in counts:
+        spans.append((offset, offset + n))
+        offset += n
+    biases = _row_biases(lms)
+    repeat = torch.tensor(counts, device=device)
+    linear, rms_norm, sdpa = F.linear, _rms_norm, F.scaled_dot_product_attention
+    x = F.embedding(torch.cat(ids).to(device), first._embed)  # [N, D]
+    captured = {}
+    for index, plan in enumerate(first._plans):
+        if index in layers:
+            captured[index] = x
+        h = rms_norm(x, *plan[1])
+        q = linear(h, *plan[3]).view(total, heads, hd)
+        k = linear(h, *plan[4]).view(total, kv_heads, hd)
+        v = linear(h, *plan[5]).view(total, kv_heads, hd)
+        if plan[7] is not None:
+            q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        outs = []
+        for row, (lm, start, (lo, hi)) in enumerate(zip(lms, starts, spans)):
+            keys, values = lm._keys[index], lm._values[index]
+            end = start + hi - lo
+            keys[0, :, start:end] = k[lo:hi].transpose(0, 1)
+            values[0, :, start:end] = v[lo:hi].transpose(0, 1)
+            o = sdpa(q[lo:hi].transpose(0, 1).unsqueeze(0), keys[:, :, :end], values[:, :, :end],
+                     attn_mask=masks[row], scale=first.scaling, enable_gqa=gqa)  # [1, H, n, hd]
+            outs.append(o[0].transpose(0, 1).reshape(hi - lo, heads * hd))
+        x = x + linear(torch.cat(outs), *plan[6])
+        h = rms_norm(x, *plan[2])
+        up = linear(h, *plan[10])
+        if biases is not None and biases[index] is not None:
+            up = up + biases[index].repeat_interleave(repeat, dim=0)
+        x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+    for lm, start, n in zip(lms, starts, counts):  # only now: a failed pass leaves every cache as it was
+        lm.length = start + n
+    normed = rms_norm(x, *first._final_norm)
+    if first.num_layers in layers:
+        captured[first.num_layers] = normed
+    logits = first.project(normed)
+    hidden = torch.stack([captured[i] for i in layers]) if layers else None
+    results = []
+    for lm, (lo, hi) in zip(lms, spans):
+        if lm.keep_last_hidden:
+            lm.last_hidden = normed[hi - 1]
+        results.append(StepOutput(logits[lo:hi], None if hidden is None else hidden[:, lo:hi]))
+    return results
 
 
 def first_logits(rows: Sequence, active: List[int]) -> Tensor:
