@@ -12,6 +12,7 @@ default deployment (`--deployment local`).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from coordinator.server import Coordinator, serve as serve_coordinator
 from steerspec.linkemu import NO_LINK, LinkModel
 from steerspec.sampling import SamplingParams
 from steerspec.store import Store
+
+log = logging.getLogger(__name__)
 
 
 def _load(model, dtype: str, device: str):
@@ -101,6 +104,11 @@ class LocalCluster:
         self._threads(verifier_model)
         steering_dir = (find_steering_dir(self.drafter)
                         if self.drafters and isinstance(self.drafter, (str, os.PathLike)) else None)
+        if self.drafters and steering_dir is None and not isinstance(self.drafter, (str, os.PathLike)):
+            source = getattr(self.drafter, "name_or_path", "") or ""
+            if source and os.path.isdir(source) and find_steering_dir(source) is not None:
+                log.warning("the drafter was given as a loaded model from the SD² checkpoint %s: it runs "
+                            "unsteered; pass the directory to steer it", source)
         self.steering = steering_dir is not None
         head = None
         if steering_dir is not None:  # an SD² drafter: the verifier runs its W_hml

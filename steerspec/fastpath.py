@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from steerspec import device_sampling as ds
-from steerspec.models.batched import first_logits
+from steerspec.models.batched import first_logits, packed_extend
 from steerspec.models.graphed import upload
 from steerspec.models.kv import CachedLM
 from steerspec.sampling import SparseDist
@@ -137,7 +137,8 @@ def verify_block(verifier: CachedLM, pending: int, block: DraftBlock, config: "D
 def _extend_rows(lms: Sequence[CachedLM], feeds: Tensor, counts: Sequence[int],
                  hidden_layers: Optional[Sequence[int]]) -> Tuple[Tensor, Optional[Tensor]]:
     """Feed feeds[b, :counts[b]] to lms[b]: one graphed pass when the rows share a static pool,
-    else one extend per row. Returns logits [B, W, V] and hidden [L, B, W, D] (zero-padded)."""
+    else one packed pass (`packed_extend`; per-row extends where it cannot run). Returns logits
+    [B, W, V] and hidden [L, B, W, D] (zero-padded)."""
     from steerspec.models.graphed import can_graph, graphed_extend
 
     layers = tuple(hidden_layers or ())
@@ -145,7 +146,7 @@ def _extend_rows(lms: Sequence[CachedLM], feeds: Tensor, counts: Sequence[int],
     if len(lms) > 1 and can_graph(lms, width):
         logits, hidden = graphed_extend(lms, feeds, counts, layers)
         return logits[:, :width], None if hidden is None else hidden[:, :, :width]
-    outs = [lm.extend(feeds[b, : counts[b]], layers or None) for b, lm in enumerate(lms)]
+    outs = packed_extend(lms, [feeds[b, : counts[b]] for b in range(len(lms))], layers or None)
     logits = torch.zeros(len(lms), width, outs[0].logits.shape[-1], dtype=outs[0].logits.dtype,
                          device=outs[0].logits.device)
     hidden = None

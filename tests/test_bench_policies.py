@@ -55,6 +55,7 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     for row in report["rows"]:
         m = row["metrics"]
         assert m["tokens"] >= 1 and m["tokens_per_s"] > 0 and m["verifier_calls"] >= 1
+        assert len(m["per_prompt_tokens_per_s"]) == 1  # one prompt: no spread to compare against
     table = {(r["regime"], r["policy"]): r for r in report["gammatune_table"]}
     assert table[("inprocess", "fixed")]["speedup_mean"] == pytest.approx(1.0, abs=1e-3)
     assert table[("rtt20", "latency")]["speedup_std"] is None  # no initial k: runs once
@@ -136,3 +137,27 @@ def test_each_prompt_runs_the_configurations_in_a_rotated_order():
     from steerspec.bench.policies import rotated
 
     assert [rotated("abc", i) for i in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+
+
+def test_policies_are_compared_with_the_best_fixed_k_prompt_by_prompt():
+    """The Pacer-layout row of a policy carries its per-prompt ratio to the best fixed k (same
+    prompts, interleaved): mean, spread across prompts and standard error."""
+    from steerspec.bench.policies import paired, table_pacer
+
+    def row(policy, k, rates):
+        tokens = 48 * len(rates)
+        wall = sum(48 / r for r in rates)
+        return {"set": "indist", "temperature": 0.0, "regime": "rtt50", "policy": policy, "initial_k": k,
+                "spec": policy if k is None else f"{policy}:k={k}",
+                "metrics": {"tokens_per_s": tokens / wall, "block_efficiency": 1.5, "acceptance": 0.5,
+                            "drafter_per_100": 1.0, "verifier_per_100": 1.0, "ms_per_token": 1e3 * wall / tokens,
+                            "per_prompt_tokens_per_s": rates}}
+
+    rows = [row("verifier", None, [5.0, 5.0, 5.0]), row("fixed", 1, [8.0, 9.0, 10.0]),
+            row("fixed", 2, [10.0, 10.0, 12.0]), row("latency", None, [11.0, 9.0, 12.0])]
+    table = {r["policy"]: r for r in table_pacer(rows)}
+    assert table["fixed"]["spec"] == "fixed:k=2" and table["fixed"]["vs_best_fixed"] is None
+    versus = table["latency"]["vs_best_fixed"]
+    assert versus["prompts"] == 3 and versus["mean"] == pytest.approx((1.1 + 0.9 + 1.0) / 3, abs=1e-4)
+    assert versus["sd"] == pytest.approx(0.1, abs=1e-4) and versus["se"] == pytest.approx(0.1 / 3 ** 0.5, abs=1e-4)
+    assert paired([1.0], [2.0]) is None and paired([1.0, None], [2.0, 2.0]) is None

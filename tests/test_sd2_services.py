@@ -4,7 +4,6 @@ steering vectors travel in the verify replies (fp16, d_V values) and raise block
 import json
 
 import pytest
-import torch
 
 from coordinator.local import LocalCluster
 from steerspec.engine import DecodeConfig, autoregressive_generate
@@ -46,3 +45,19 @@ async def test_sd2_drafter_through_services_is_exact_and_steered():
                 d_v = verifier.config.hidden_size
                 assert 2 * d_v <= bytes_down <= 2 * d_v + 64  # the fp16 vector plus the small result fields
     assert taus["sd2"] > taus["pretrained"]
+
+
+@pytest.mark.skipif(not has_steering(resolve_model_dir("sd2")), reason="the sd2 drafter is not bundled")
+async def test_a_loaded_sd2_drafter_is_flagged_as_unsteered(caplog):
+    """Given the SD² drafter as a loaded model (no way to attach its W_s), the cluster runs it
+    unsteered and says so in one warning that names the fix; given its directory, it steers."""
+    verifier, drafter = load_model("verifier"), load_model("sd2")
+    with caplog.at_level("WARNING", logger="coordinator.local"):
+        async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+            assert not cluster.steering
+    assert any("pass the directory to steer it" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    async with LocalCluster(verifier=verifier, drafter=str(resolve_model_dir("sd2")), tokenizer=None,
+                            eos_ids=()) as cluster:
+        assert cluster.steering
+    assert not [r for r in caplog.records if r.name == "coordinator.local"]

@@ -100,8 +100,9 @@ def expand(spec: str, ks: Sequence[int]) -> List[tuple]:
     return [(k, f"{name}:{key}={k}" + (f",{rest}" if rest else "")) for k in ks]
 
 
-def summarize(results: Sequence[Any], wall_s: float) -> Dict[str, Any]:
-    """tokens/s, τ, acceptance, passes per 100 tokens and ms per token of a list of results."""
+def summarize(results: Sequence[Any], wall_s: float, walls: Optional[Sequence[float]] = None) -> Dict[str, Any]:
+    """tokens/s, τ, acceptance, passes per 100 tokens and ms per token of a list of results (and each
+    prompt's tokens/s when given each result's wall seconds)."""
     tokens = sum(r.generated for r in results)
     rounds = sum(r.rounds for r in results)
     drafted = sum(r.drafted for r in results)
@@ -113,7 +114,9 @@ def summarize(results: Sequence[Any], wall_s: float) -> Dict[str, Any]:
             "drafter_calls": drafted, "verifier_calls": rounds,
             "drafter_per_100": round(100 * drafted / tokens, 2) if tokens else None,
             "verifier_per_100": round(100 * rounds / tokens, 2) if tokens else None,
-            "ms_per_token": round(1e3 * wall_s / tokens, 3) if tokens else None}
+            "ms_per_token": round(1e3 * wall_s / tokens, 3) if tokens else None,
+            "per_prompt_tokens_per_s": None if walls is None else
+            [round(r.generated / w, 3) if w > 0 else None for r, w in zip(results, walls)]}
 
 
 def _config(args, temperature: float, i: int, eos):
@@ -186,14 +189,14 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
 
     async def regime(prompts, run_one, record) -> None:
         results: List[list] = [[] for _ in configs]
-        walls = [0.0] * len(configs)
+        walls: List[List[float]] = [[] for _ in configs]
         for i, prompt in enumerate(prompts):
             for c in rotated(range(len(configs)), i):
                 result, wall = await run_one(prompt, i, configs[c][2])
                 results[c].append(result)
-                walls[c] += wall
+                walls[c].append(wall)
         for (name, k, spec), res, wall in zip(configs, results, walls):
-            record(policy=name, initial_k=k, spec=spec, metrics=summarize(res, wall))
+            record(policy=name, initial_k=k, spec=spec, metrics=summarize(res, sum(wall), wall))
 
     for set_name in args.set_list:
         texts = [row["prompt"] for row in load_eval_set(set_name)][: args.prompts]
@@ -251,22 +254,38 @@ def table_gammatune(rows) -> List[Dict[str, Any]]:
     return out
 
 
+def paired(rates: Optional[Sequence[Optional[float]]], base: Optional[Sequence[Optional[float]]]
+           ) -> Optional[Dict[str, float]]:
+    """Per-prompt ratios rates[i] / base[i] (the same prompt, interleaved): mean, std across prompts
+    and the standard error of the mean; None without two or more pairs."""
+    pairs = [a / b for a, b in zip(rates or [], base or []) if a and b]
+    if len(pairs) < 2:
+        return None
+    sd = statistics.stdev(pairs)
+    return {"mean": round(statistics.mean(pairs), 4), "sd": round(sd, 4),
+            "se": round(sd / len(pairs) ** 0.5, 4), "prompts": len(pairs)}
+
+
 def table_pacer(rows) -> List[Dict[str, Any]]:
-    """Pacer Tables 1/6: best-k fixed and each policy at its best initial k, vs the verifier alone."""
+    """Pacer Tables 1/6: best-k fixed and each policy at its best initial k, vs the verifier alone,
+    and per prompt against the best fixed k (`vs_best_fixed`: the spread a claim must clear)."""
     out = []
     for (set_name, temp, regime), policies in _groups(rows).items():
         alone = policies.get("verifier", [{}])[0].get("metrics", {}).get("tokens_per_s")
+        fixed = max(policies.get("fixed", []), key=lambda r: r["metrics"]["tokens_per_s"] or 0, default=None)
         for policy, prs in policies.items():
             if policy == "verifier":
                 continue
             best = max(prs, key=lambda r: r["metrics"]["tokens_per_s"] or 0)
             m = best["metrics"]
+            versus = None if fixed is None or policy == "fixed" else paired(
+                m.get("per_prompt_tokens_per_s"), fixed["metrics"].get("per_prompt_tokens_per_s"))
             out.append({"set": set_name, "temperature": temp, "regime": regime, "policy": policy,
                         "spec": best["spec"], "tokens_per_s": m["tokens_per_s"],
                         "speedup_vs_verifier": round(m["tokens_per_s"] / alone, 3) if alone else None,
                         "tau": m["block_efficiency"], "acceptance": m["acceptance"],
                         "drafter_per_100": m["drafter_per_100"], "verifier_per_100": m["verifier_per_100"],
-                        "ms_per_token": m["ms_per_token"]})
+                        "ms_per_token": m["ms_per_token"], "vs_best_fixed": versus})
     return out
 
 
@@ -293,14 +312,20 @@ def print_tables(report) -> None:
                     else:
                         cells.append(f"{r['speedup_mean']:>8.2f} ± {r['speedup_std']:.2f}")
                 print(f"{policy:<12}" + "".join(cells))
-    print("\nPacer Tables 1/6 layout (best initial k where a policy has one)")
+    print("\nPacer Tables 1/6 layout (best initial k where a policy has one; ×fixed/prompt: tokens/s over the "
+          "best fixed k's on the same prompt, mean ± standard error over prompts)")
     print(f"{'set':<7}{'T':>3} {'regime':<10}{'policy':<12}{'tok/s':>8}{'×AR':>7}{'τ':>7}{'acc':>7}"
-          f"{'D/100':>8}{'V/100':>8}{'ms/tok':>8}  spec")
+          f"{'D/100':>8}{'V/100':>8}{'ms/tok':>8}{'×fixed/prompt':>16}  spec")
     for r in report["pacer_table"]:
         print(f"{r['set']:<7}{r['temperature']:>3g} {r['regime']:<10}{r['policy']:<12}{r['tokens_per_s']:>8.1f}"
               f"{(r['speedup_vs_verifier'] or 0):>7.2f}{(r['tau'] or 0):>7.2f}{(r['acceptance'] or 0):>7.2f}"
               f"{(r['drafter_per_100'] or 0):>8.1f}{(r['verifier_per_100'] or 0):>8.1f}{(r['ms_per_token'] or 0):>8.2f}"
-              f"  {r['spec']}")
+              f"{_versus(r.get('vs_best_fixed')):>16}  {r['spec']}")
+
+
+def _versus(v: Optional[Dict[str, float]]) -> str:
+    """'1.02 ± 0.01' (mean ± standard error over prompts) or '-'."""
+    return "-" if not v else f"{v['mean']:.2f} ± {v['se']:.2f}"
 
 
 def write_plot(report, path: str) -> None:
