@@ -249,3 +249,17 @@ def test_every_policy_is_lossless_greedy(setup):
         lengths[spec.split(":")[0]] = drafted / rounds
     assert set(lengths) == set(known_policies())
     assert lengths["threshold"] < 20  # the confidence stop fired somewhere
+
+
+def test_latency_policy_re_measures_a_stale_cost_line():
+    """Slow blocks at length 2 (stalls: 150 ms against 50) tilt the verify line; a policy that then
+    drafts only one length would never correct it. Once the line rests on one recent length, the
+    policy drafts a neighbouring length again (stop off for that block), so the slope recovers."""
+    policy = make_policy("latency:max=8,beta=0.2")  # a fast EWMA, so the stalls tilt it far
+    for k, verify in ((4, 60.0), (1, 45.0)) + ((2, 150.0),) * 6 + ((1, 45.0),):
+        policy.next_k()
+        policy.update(BlockFeedback(accepted=0, drafted=k, draft_ms=5.0 * k, verify_ms=verify))
+    assert policy.costs["v1"] > 20.0  # tilted
+    ks = _drive(policy, 120, 0.5, lambda k: 5.0 * k, lambda k: 40.0 + 5.0 * k, 0.0)
+    assert policy.costs["v1"] == pytest.approx(5.0, rel=0.3), policy.costs
+    assert len(set(ks[-60:])) >= 2  # still measuring more than one length

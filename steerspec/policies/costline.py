@@ -34,6 +34,10 @@ class CostLine:
         """The lengths measured so far."""
         return [k + 1 for k, w in enumerate(self.weight) if w > 0]
 
+    def recent_lengths(self, floor: float) -> List[int]:
+        """The lengths whose weight is still at least `floor` (measured in the last few blocks)."""
+        return [k + 1 for k, w in enumerate(self.weight) if w >= floor]
+
     def add(self, k: int, ms: float) -> None:
         """One block of k tokens took `ms`."""
         if not 1 <= k <= self.max_k or not ms > 0:
