@@ -69,6 +69,16 @@ def _prompts(vocab: int, lengths: Sequence[int], seed: int = 0) -> List[List[int
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def _assert_same_caches(rows, alone) -> None:
+    """Each row's cached keys and values equal its twin's (fed the same tokens one row at a time)."""
+    for lm, twin in zip(rows, alone):
+        for layer in range(lm.num_layers):
+            torch.testing.assert_close(lm._keys[layer][:, :, : lm.length], twin._keys[layer][:, :, : twin.length],
+                                       **LOGIT_TOL)
+            torch.testing.assert_close(lm._values[layer][:, :, : lm.length],
+                                       twin._values[layer][:, :, : twin.length], **LOGIT_TOL)
+
+
 # --------------------------------------------------------------------------- batched_extend
 @pytest.mark.parametrize("name", ["pretrained", "verifier"])
 def test_batched_extend_matches_extend_per_row(name):
@@ -96,12 +106,7 @@ def test_batched_extend_matches_extend_per_row(name):
         assert got.shape == (len(rows), vocab)
         torch.testing.assert_close(got, want, **LOGIT_TOL)
         assert [lm.length for lm in rows] == [twin.length for twin in alone]
-    for lm, twin in zip(rows, alone):
-        for layer in range(lm.num_layers):
-            torch.testing.assert_close(lm._keys[layer][:, :, : lm.length], twin._keys[layer][:, :, : twin.length],
-                                       **LOGIT_TOL)
-            torch.testing.assert_close(lm._values[layer][:, :, : lm.length],
-                                       twin._values[layer][:, :, : twin.length], **LOGIT_TOL)
+    _assert_same_caches(rows, alone)
     lone, twin = FastCachedLM(model), FastCachedLM(model)
     lone.extend(prompts[1])
     twin.extend(prompts[1])
@@ -138,10 +143,7 @@ def test_packed_extend_matches_extend_per_row():
         for lm, twin in zip(rows, alone):  # keep two of the fed tokens, as a verifier keeps accepted ones
             lm.rollback(lm.length - len(feeds[0]) + 2 if lm is rows[0] else lm.length - 1)
             twin.rollback(lm.length)
-    for lm, twin in zip(rows, alone):
-        for layer in range(lm.num_layers):
-            torch.testing.assert_close(lm._keys[layer][:, :, : lm.length], twin._keys[layer][:, :, : twin.length],
-                                       **LOGIT_TOL)
+    _assert_same_caches(rows, alone)
     plain = [CachedLM(model) for _ in range(2)]  # transformers caches: each row's own extend
     for lm, prompt in zip(plain, prompts):
         lm.extend(prompt)

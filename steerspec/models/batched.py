@@ -7,7 +7,8 @@ Row i adds its own SD² up-projection bias (`FastCachedLM.set_up_bias`), or none
 
 Logits equal per-row `lm.extend([t])` to ~1e-6, not bit for bit: a B-row GEMM sums in another
 order than a one-row GEMV. A batch of one is `lm.extend` itself. When the fast path cannot run
-(`can_batch` is False) each row runs its own `extend`.
+(`can_batch` is False) each row runs its own `extend`. Its pass is `packed_extend` with one token
+per row.
 
 `packed_extend(lms, feeds)` is the same with several tokens per row (a verifier scoring each
 session's [pending, d_1..d_k]): the rows' tokens are packed into one sequence for the
@@ -68,54 +69,9 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
     tokens = tokens.view(-1)
     if tokens.numel() != len(lms):
         raise ValueError(f"need one token per sequence: {len(lms)} sequences, {tokens.numel()} tokens")
-    if len(lms) == 1:
-        return lms[0].extend(tokens, logits_to_keep=1).logits
-    if can_graph(lms, 1) and not any(lm.keep_last_hidden for lm in lms):  # a shared static pool: one graphed step for every row (CUDA graph on a GPU)
+    if len(lms) > 1 and can_graph(lms, 1) and not any(lm.keep_last_hidden for lm in lms):  # a shared static pool: one graphed step for every row (CUDA graph on a GPU)
         return graphed_step(lms, tokens)
-    if not can_batch(lms):
-        return torch.cat([lm.extend(tokens[i : i + 1], logits_to_keep=1).logits for i, lm in enumerate(lms)])
-    first: FastCachedLM = lms[0]  # type: ignore[assignment]
-    batch = len(lms)
-    positions = [lm.length for lm in lms]
-    for lm, pos in zip(lms, positions):
-        lm._grow(pos + 1)
-    hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
-    gqa = heads != kv_heads
-    cos = torch.stack([lm._cos[pos] for lm, pos in zip(lms, positions)]).view(batch, 1, hd)
-    sin = torch.stack([lm._sin[pos] for lm, pos in zip(lms, positions)]).view(batch, 1, hd)
-    biases = _row_biases(lms)
-    linear, rms_norm, sdpa = F.linear, _rms_norm, F.scaled_dot_product_attention
-    x = F.embedding(tokens.to(first.device), first._embed)  # [B, D]
-    for index, plan in enumerate(first._plans):
-        h = rms_norm(x, *plan[1])
-        q = linear(h, *plan[3]).view(batch, heads, hd)
-        k = linear(h, *plan[4]).view(batch, kv_heads, hd)
-        v = linear(h, *plan[5]).view(batch, kv_heads, hd)
-        if plan[7] is not None:
-            q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        outs = []
-        for row, (lm, pos) in enumerate(zip(lms, positions)):
-            keys, values = lm._keys[index], lm._values[index]
-            keys[0, :, pos] = k[row]
-            values[0, :, pos] = v[row]
-            outs.append(sdpa(q[row].view(1, heads, 1, hd), keys[:, :, : pos + 1], values[:, :, : pos + 1],
-                             scale=first.scaling, enable_gqa=gqa))
-        o = torch.cat(outs).view(batch, heads * hd)
-        x = x + linear(o, *plan[6])
-        h = rms_norm(x, *plan[2])
-        up = linear(h, *plan[10])
-        if biases is not None and biases[index] is not None:
-            up = up + biases[index]
-        x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
-    for lm, pos in zip(lms, positions):  # only now: a failed pass leaves every cache as it was
-        lm.length = pos + 1
-    normed = rms_norm(x, *first._final_norm)
-    for row, lm in enumerate(lms):
-        if lm.keep_last_hidden:
-            lm.last_hidden = normed[row]
-    return first.project(normed)
+    return torch.cat([out.logits for out in packed_extend(lms, tokens.view(-1, 1))])
 
 
 @torch.inference_mode()
@@ -178,8 +134,8 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
         x = x + linear(torch.cat(outs), *plan[6])
         h = rms_norm(x, *plan[2])
         up = linear(h, *plan[10])
-        if biases is not None and biases[index] is not None:
-            up = up + biases[index].repeat_interleave(repeat, dim=0)
+        if biases is not None and biases[index] is not None:  # one row per token already when every n_i = 1
+            up = up + (biases[index] if total == len(lms) else biases[index].repeat_interleave(repeat, dim=0))
         x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
     for lm, start, n in zip(lms, starts, counts):  # only now: a failed pass leaves every cache as it was
         lm.length = start + n

@@ -22,8 +22,8 @@ Exploration: the first block drafts min(4, max); until blocks of two lengths wer
 lines are not identified), for at most the first 4 blocks, k avoids the measured length (best,
 else that length ± 2) and the stop is off. Later, whenever only one length was measured recently
 (every other length's weight in the lines fell below STALE: about 90 blocks at the default beta
-0.05, 20 at 0.2), one block drafts best ± 1 with the stop off: otherwise a slope tilted by a few slow blocks would keep the
-policy at one length and never be corrected. beta = 0.05 by default (an effective memory of about
+0.05, 20 at 0.2), one block drafts best ± 1 with the stop off: otherwise a slope tilted by a few
+slow blocks would keep the policy at one length and never be corrected. beta = 0.05 by default (an effective memory of about
 20 blocks): at 0.2 the per-position acceptance followed the last ~5 blocks, and on the real pair
 its noise made the policy draft too little (`bench policies`, RTT 50: 0.93× the best fixed k at
 0.2, 1.01× at 0.05, per prompt). The estimates survive `reset` (a new sequence on the
