@@ -164,6 +164,7 @@ def run_rounds(
     committed = list(prompt)
     generated: List[int] = []
     reason = None
+    mark = time.perf_counter()  # each block's cycle runs from the previous block's end (its accounting included)
     while reason is None:
         n = len(committed)
         remaining = config.max_new_tokens - len(generated)
@@ -183,8 +184,10 @@ def run_rounds(
         committed.extend(new_tokens)
         generated.extend(new_tokens)
         draft_ms, verify_ms = out.draft_s * 1e3, out.verify_s * 1e3
+        now = time.perf_counter()
+        cycle_ms, mark = max((now - mark) * 1e3, draft_ms + verify_ms), now
         stats = BlockStats(seq=result.rounds, drafted=drafted, accepted=accepted, committed=len(new_tokens),
-                           rtt_ms=verify_ms, draft_ms=draft_ms, verify_ms=verify_ms, cycle_ms=draft_ms + verify_ms)
+                           rtt_ms=verify_ms, draft_ms=draft_ms, verify_ms=verify_ms, cycle_ms=cycle_ms)
         rounds.record_block(result, stats)
         if after_round is not None:
             after_round(stats)
@@ -231,7 +234,7 @@ def speculative_generate(
     def after_round(stats: BlockStats) -> None:
         if stats.drafted:
             policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
-                                        verify_ms=stats.verify_ms))
+                                        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms))
 
     result = GenerationResult(token_ids=[], mode="speculative", prompt_tokens=len(prompt))
     return run_rounds(verifier, drafter, prompt, config, result, one_round, steering, after_round, tokenizer, on_round)

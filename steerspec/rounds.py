@@ -128,7 +128,7 @@ def overhead_ms(cycle_ms: float, draft_ms: float, network_ms: float, queue_ms: f
 class BlockStats:
     """One round as measured (milliseconds, bytes): the one per-block record behind the generation
     result, the summary message, Prometheus and the block span. In process the link, queue and
-    bytes are 0 and rtt_ms is the verify time."""
+    bytes are 0, rtt_ms is the verify time and the cycle runs from the previous block's end."""
 
     seq: int
     drafted: int

@@ -38,8 +38,9 @@ class DraftStep:
 class BlockFeedback:
     """The verifier's verdict on one block and its measured cost (milliseconds; 0 when unknown).
 
-    `overhead_ms` is the rest of the block's time away from the drafter that verify, queue and
-    network do not explain (the verifier hop's RPC, the coordinator's work); services only."""
+    `overhead_ms` is the rest of the block's cycle that drafting, verify, queue and network do not
+    explain: through the services the verifier hop's RPC and the coordinator's work; in process the
+    rollback, commit, steering and accounting between blocks (each block carries the previous one's)."""
 
     accepted: int
     drafted: int

@@ -1,14 +1,19 @@
 """A block cost as a line in its length, c0 + c1·k, fitted to measured blocks of different lengths.
 
-Per drafted length k the line keeps an exponentially weighted mean of the measured milliseconds
-(every observation first multiplies all weights by 1 − beta, then adds weight 1 to its own length).
-The fit is weighted least squares over those means, so a length measured long ago still pins the
-slope (with a small weight) after the policy settled on one length. With fewer than two lengths
-measured the line is not identified: the slope is `prior_share` of the mean cost per token. The
-slope is clamped to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0. Once the line
-is identified an observation counts clipped to within ±`HUBER` of the line's value, so one stall
-on a loaded machine (tens of ms in a block of any length) moves the line by a bounded step
-instead of tilting the slope; a lasting change still moves it, by up to that step per block.
+The slope comes from consecutive blocks of different lengths: each such pair adds Δk·Δms and Δk²
+to exponentially weighted sums (decayed by 1 − beta per block, so recent pairs outweigh old ones;
+after a long stretch on one length the slope so far counts as one pair), c1 = Σ Δk·Δms / Σ Δk². Blocks next
+to each other ran on the same host state, so a slow drift of the host's speed (a shared CPU runs
+10–25% slower for minutes) cancels out of the slope; a least-squares fit over per-length means took
+each length's mean from a different stretch of time and read that drift as slope. The level comes
+from per-length exponentially weighted means (every observation first multiplies all weights by
+1 − beta, then adds weight 1 to its own length): c0 = their weighted mean minus c1 times the
+weighted mean length, so it follows the recent blocks. With fewer than two lengths measured the
+line is not identified: the slope is `prior_share` of the mean cost per token. The slope is clamped
+to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0. Once the line is identified an
+observation counts clipped to within ±`HUBER` of the line's value, so one stall on a loaded
+machine (tens of ms in a block of any length) moves the line by a bounded step instead of tilting
+the slope; a lasting change still moves it, by up to that step per block.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Dict, List, Tuple
 
 MIN_WEIGHT = 1e-12  # a length once measured keeps at least this weight
 HUBER = 0.5
+MIN_PAIRS = 1e-3  # below this total weight the pair sums are rescaled to one pair
 
 
 class CostLine:
@@ -28,6 +34,8 @@ class CostLine:
         self.prior, self.prior_share, self.min_share = prior, float(prior_share), float(min_share)
         self.weight: List[float] = [0.0] * self.max_k
         self.mean: List[float] = [0.0] * self.max_k
+        self.pairs = [0.0, 0.0]  # decayed Σ Δk·Δms and Σ Δk² over consecutive blocks of different lengths
+        self.last: Tuple[int, float] = (0, 0.0)  # the previous block (length, ms); length 0: none yet
         self.c0, self.c1 = prior
 
     def lengths(self) -> List[int]:
@@ -46,6 +54,14 @@ class CostLine:
             expected = self(k)
             ms = min(max(ms, (1.0 - HUBER) * expected), (1.0 + HUBER) * expected)
         keep = 1.0 - self.beta
+        last_k, last_ms = self.last
+        self.pairs = [keep * self.pairs[0], keep * self.pairs[1]]
+        if 0 < self.pairs[1] < MIN_PAIRS:  # long on one length: the slope so far counts as one pair
+            self.pairs = [self.pairs[0] / self.pairs[1], 1.0]
+        if last_k and last_k != k:
+            dk = k - last_k
+            self.pairs = [self.pairs[0] + dk * (ms - last_ms), self.pairs[1] + dk * dk]
+        self.last = (k, ms)
         self.weight = [max(w * keep, MIN_WEIGHT) if w > 0 else 0.0 for w in self.weight]
         i = k - 1
         self.mean[i] = (self.weight[i] * self.mean[i] + ms) / (self.weight[i] + 1.0)
@@ -58,11 +74,10 @@ class CostLine:
         k_bar = sum(w * k for k, w, _ in points) / total
         y_bar = sum(w * y for _, w, y in points) / total
         per_token = y_bar / k_bar
-        if len(points) < 2:
+        if len(points) < 2 or self.pairs[1] <= 0:
             slope = self.prior_share * per_token
         else:
-            var = sum(w * (k - k_bar) ** 2 for k, w, _ in points)
-            slope = sum(w * (k - k_bar) * (y - y_bar) for k, w, y in points) / var
+            slope = self.pairs[0] / self.pairs[1]
         self.c1 = min(max(slope, self.min_share * per_token), per_token)
         self.c0 = max(0.0, y_bar - self.c1 * k_bar)
 
@@ -70,7 +85,8 @@ class CostLine:
         return self.c0 + self.c1 * k
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"weight": list(self.weight), "mean": list(self.mean), "c": [self.c0, self.c1]}
+        return {"weight": list(self.weight), "mean": list(self.mean), "c": [self.c0, self.c1],
+                "pairs": list(self.pairs), "last": list(self.last)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         weight, mean = [float(w) for w in state["weight"]], [float(m) for m in state["mean"]]
@@ -78,3 +94,6 @@ class CostLine:
             raise ValueError(f"cost line has {len(weight)} lengths, policy has max={self.max_k}")
         self.weight, self.mean = weight, mean
         self.c0, self.c1 = (float(c) for c in state["c"])
+        self.pairs = [float(x) for x in state.get("pairs", (0.0, 0.0))]
+        last = state.get("last", (0, 0.0))
+        self.last = (int(last[0]), float(last[1]))
