@@ -217,6 +217,8 @@ def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
     assert report["results"]["tests"]["pretrained"]["speedup_t1"] == 1.0
     assert report["steering"]["sd2"]["bytes_per_reply"] == 2 * vcfg["hidden_size"]
     assert {"indist_sd2_vs_pretrained_ge_30pct", "steering_overhead_le_5pct"} <= set(report["targets"])
+    assert {"tests_sd2_not_below_distilled", "docs_sd2_not_below_pretrained"} <= set(report["targets"])
+    assert "--command" not in report["command"] and report["command"].startswith("steerspec bench sd2 --verifier")
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "tau_services" not in row and report["config"]["services"] is None  # --no-services
 
@@ -327,3 +329,23 @@ def test_synth_workers_split_the_shards_and_together_make_the_same_set(tmp_path)
     assert len(one) == len(two) == 6 and all(torch.equal(a, b) for a, b in zip(one.sequences, two.sequences))
     assert all(torch.equal(a.top_ids, b.top_ids) and torch.equal(a.taps, b.taps) for a, b in zip(one.teacher, two.teacher))
     assert main(args + ["--out", str(tmp_path / "bad"), "--worker", "2/2"]) == 2
+
+
+def test_bench_sd2_targets_name_drafters_by_role():
+    """The real pair's `smollm2-*` drafters get the same targets as the tiny pair's bare names, on
+    indist and fresh (gains in τ − 1) and on the other sets (not below beyond the seed spread)."""
+    from steerspec.bench.sd2 import check_targets, roles
+
+    def row(tau, std=0.02):
+        return {"accepted_per_block_t1": tau - 1.0, "tau_t1_mean": tau, "tau_t1_std": std}
+
+    labels = ["smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"]
+    assert roles(labels) == dict(zip(("pretrained", "distilled", "sd2"), labels))
+    results = {"indist": dict(zip(labels, (row(1.43), row(1.55), row(1.65)))),
+               "fresh": dict(zip(labels, (row(1.44), row(1.55), row(1.61)))),
+               "docs": dict(zip(labels, (row(1.34), row(1.41), row(1.35)))),}
+    t = check_targets(results, labels, {})
+    assert t["indist_sd2_vs_pretrained_ge_30pct"]["pass"] and t["indist_sd2_vs_distilled_ge_15pct"]["pass"]
+    assert t["fresh_sd2_vs_pretrained_ge_30pct"]["pass"] and not t["fresh_sd2_vs_distilled_ge_15pct"]["pass"]
+    assert t["docs_sd2_not_below_pretrained"]["pass"] and not t["docs_sd2_not_below_distilled"]["pass"]
+    assert check_targets(results, ["a", "b", "smollm2-sd2"], {}) == {}  # no pretrained drafter: nothing to compare

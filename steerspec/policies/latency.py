@@ -17,7 +17,7 @@ quarter of [0, 1] (EWMA; 1 until such drafts were judged), so c counts only as f
 predicted acceptance. j more drafts add Σ_{m=1..j} s_i·a_{i+1}···a_{i+m} expected committed tokens
 for j·(d1 + v1) ms; the block stops when no j earns more than the long-run rate R would in that
 time (look-ahead: the per-position acceptance often rises along the block, so a one-step test
-stopped blocks that two more drafts would have paid for; in process that cost 5% of tokens/s). o
+stopped blocks that two more drafts would have paid for: 0.95× no stop in process, one run). o
 is no part of a draft's marginal cost: a large o keeps drafting.
 
 Exploration: the first block drafts min(4, max); until blocks of two lengths were measured (the
