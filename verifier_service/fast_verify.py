@@ -25,14 +25,19 @@ from steerspec.speculative import DraftBlock
 KV_BACKENDS = ("auto", "fast", "hf")
 
 
+def check_backend(backend: str) -> str:
+    """`backend` if it names a session cache (`--kv-backend`), else ValueError naming the choices."""
+    if backend not in KV_BACKENDS:
+        raise ValueError(f"unknown KV backend {backend!r}: use one of {', '.join(KV_BACKENDS)}")
+    return backend
+
+
 def session_lm(model, backend: str = "auto") -> CachedLM:
     """A session's verifier cache (`--kv-backend`). auto: graphed/fast when the device path serves
     this model, the lean FastCachedLM on the host path (a CPU; `VerifyRunner.run` packs its
     batches), the transformers cache for architectures the fast forward does not cover. fast: a
     FastCachedLM on either path. hf: the transformers cache (its padded batched pass)."""
-    if backend not in KV_BACKENDS:
-        raise ValueError(f"unknown KV backend {backend!r}: use one of {', '.join(KV_BACKENDS)}")
-    if backend == "hf" or not FastCachedLM.supports(model):
+    if check_backend(backend) == "hf" or not FastCachedLM.supports(model):
         return CachedLM(model)
     return cached_lm(model) if backend == "auto" and fastpath.enabled(model.device) else FastCachedLM(model)
 

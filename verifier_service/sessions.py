@@ -54,10 +54,8 @@ class SessionTable:
     """Open sessions with the replica's limits (sessions, KV-cache memory)."""
 
     def __init__(self, model, max_sessions: int, max_cache_bytes: int, kv_backend: str = "auto") -> None:
-        if kv_backend not in fast_verify.KV_BACKENDS:
-            raise ValueError(f"unknown KV backend {kv_backend!r}: use one of {', '.join(fast_verify.KV_BACKENDS)}")
         self.model = model
-        self.kv_backend = kv_backend
+        self.kv_backend = fast_verify.check_backend(kv_backend)  # refused at start, not at the first session
         self.max_sessions = int(max_sessions)
         self.max_cache_bytes = int(max_cache_bytes)
         self.bytes_per_token = kv_bytes_per_token(model)
