@@ -1,22 +1,21 @@
 """A block cost as a line in its length, c0 + c1·k, fitted to measured blocks of different lengths.
 
-The slope comes from consecutive blocks of different lengths: each such pair adds Δk·Δms and Δk²
-to exponentially weighted sums (decayed by 1 − beta per block, so recent pairs outweigh old ones;
-after a long stretch on one length the slope so far counts as one pair), c1 = Σ Δk·Δms / Σ Δk².
-(A slope forgetting 4× slower than the level halved its noise in simulation but measured worse
-through the services: RTT 50 0.91× the best fixed k per prompt against 1.01×; an early, noisy
-slope then lingers.) Blocks next to each other ran on the same host state, so a slow drift of the
-host's speed (a shared CPU runs 10–25% slower for minutes) cancels out of the slope; a least-squares
-fit over per-length means took each length's mean from a different stretch of time and read that
-drift as slope. The level comes
-from per-length exponentially weighted means (every observation first multiplies all weights by
-1 − beta, then adds weight 1 to its own length): c0 = their weighted mean minus c1 times the
-weighted mean length, so it follows the recent blocks. With fewer than two lengths measured the
-line is not identified: the slope is `prior_share` of the mean cost per token. The slope is clamped
-to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0. Once the line is identified an
-observation counts clipped to within ±`HUBER` of the line's value, so one stall on a loaded
-machine (tens of ms in a block of any length) moves the line by a bounded step instead of tilting
-the slope; a lasting change still moves it, by up to that step per block.
+The slope comes from consecutive blocks of different lengths: each such pair adds Δk·Δms and Δk² to
+exponentially weighted sums (decayed by 1 − beta per block, so recent pairs outweigh old ones; after
+a long stretch on one length the slope so far counts as one pair), c1 = Σ Δk·Δms / Σ Δk². (A slope
+forgetting 4× slower than the level halved its noise in simulation but measured worse through the
+services: RTT 50 0.91× the best fixed k per prompt against 1.01×; an early, noisy slope then
+lingers.) Blocks next to each other ran on the same host state, so a slow drift of the host's speed
+(a shared CPU runs 10–25% slower for minutes) cancels out of the slope; a least-squares fit over
+per-length means took each length's mean from a different stretch of time and read that drift as
+slope. The level comes from per-length exponentially weighted means (every observation first
+multiplies all weights by 1 − beta, then adds weight 1 to its own length): c0 = their weighted mean
+minus c1 times the weighted mean length, so it follows the recent blocks. With fewer than two
+lengths measured the line is not identified: the slope is `prior_share` of the mean cost per token.
+The slope is clamped to [`min_share`, 1] × the mean cost per token, which keeps c0 ≥ 0. Once the
+line is identified an observation counts clipped to within ±`HUBER` of the line's value, so one
+stall on a loaded machine (tens of ms in a block of any length) moves the line by a bounded step
+instead of tilting the slope; a lasting change still moves it, by up to that step per block.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ class CostLine:
         self.c0, self.c1 = prior
 
     def lengths(self) -> List[int]:
-        """The lengths measured so far."""
-        return [k + 1 for k, w in enumerate(self.weight) if w > 0]
+        """The lengths measured so far (a measured length keeps at least MIN_WEIGHT)."""
+        return self.recent_lengths(MIN_WEIGHT)
 
     def recent_lengths(self, floor: float) -> List[int]:
         """The lengths whose weight is still at least `floor` (measured in the last few blocks)."""

@@ -25,12 +25,13 @@ lines are not identified), for at most the first 4 blocks, k avoids the measured
 else that length ± 2) and the stop is off. Later, whenever only one length was measured recently
 (every other length's weight in the lines fell below STALE: about 90 blocks at the default beta
 0.05, 20 at 0.2), one block drafts best ± 1 with the stop off: otherwise a slope tilted by a few
-slow blocks would keep the policy at one length and never be corrected. beta = 0.05 by default (an effective memory of about
-20 blocks): at 0.2 the per-position acceptance followed the last ~5 blocks, and on the real pair
-its noise made the policy draft too little (`bench policies`, RTT 50: 0.93× the best fixed k at
-0.2, 1.01× at 0.05, per prompt). The estimates survive `reset` (a new sequence on the
-same pair and link) and, through the services, a drafter service starts each new `latency`
-session from the state of its latest one (`warm_start`), so only the first session explores.
+slow blocks would keep the policy at one length and never be corrected. beta = 0.05 by default
+(an effective memory of about 20 blocks): at 0.2 the per-position acceptance followed the last ~5
+blocks, and on the real pair its noise made the policy draft too little (`bench policies`, RTT 50:
+0.93× the best fixed k at 0.2, 1.01× at 0.05, per prompt). The estimates survive `reset` (a new
+sequence on the same pair and link) and, through the services, a drafter service starts each new
+`latency` session from the state of its latest one (`warm_start`), so only the first session
+explores.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _clip(a: float) -> float:
 @register("latency", {"max": Key(int, 32, "most tokens per block"),
                       "a0": Key(float, 0.7, "prior per-position acceptance"),
                       "beta": Key(float, 0.05, "EWMA weight of new observations"),
-                      "stop": Key(bool, True, "stop early when one more draft no longer pays")},
+                      "stop": Key(bool, True, "stop early when no further drafts would pay")},
           doc="latency-aware: argmax expected tokens per second from measured costs", length_keys=("max",))
 class LatencyAware(PolicyBase):
     """Chooses k from per-position acceptance estimates and the measured block costs."""
