@@ -6,6 +6,8 @@
 #        (runs/smollm2/, every step resumable: rerun to continue; installed as assets/models/smollm2-*;
 #        the distilled and sd2 steps can run as two parallel jobs of 1 thread each; smollm2-heads then trains each
 #        drafter's Pacer, SpecDec++ and SPRINTER heads, SMOLLM2_HEADS_DRAFTERS choosing which drafters)
+#        bash scripts/build_assets.sh smollm2 --device cuda   the same on a GPU (the smollm2 steps; DEVICE=cuda too):
+#        one synth worker instead of two; the tiny pair's steps always train on the CPU
 # Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
 # The shipped pair was made exactly so (verifier 600 steps, drafter 300 steps, 1 thread each, the two
 # training steps run as two parallel jobs: `build_assets.sh verifier & build_assets.sh drafter`); the
@@ -18,7 +20,18 @@ ASSETS=steerspec/assets
 VERIFIER_STEPS=${VERIFIER_STEPS:-600}
 DRAFTER_STEPS=${DRAFTER_STEPS:-300}
 THREADS=${THREADS:-1}  # 1 thread per run: robust on a shared 2-core machine
-STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(tokenizer evalsets verifier drafter install)
+DEVICE=${DEVICE:-cpu}  # where the smollm2 steps compute: cpu | cuda | cuda:N | auto
+STEPS=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --device) [ $# -ge 2 ] || { echo "build_assets.sh: --device needs a value (cpu, cuda, cuda:N, auto)" >&2; exit 2; }
+              DEVICE=$2; shift 2 ;;
+    --device=*) DEVICE=${1#--device=}; shift ;;
+    *) STEPS+=("$1"); shift ;;
+  esac
+done
+export DEVICE
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tokenizer evalsets verifier drafter install)
 export OMP_NUM_THREADS=$THREADS
 
 install_model() {  # copy the Hugging Face files of a trained run into the package
@@ -41,17 +54,18 @@ for step in "${STEPS[@]}"; do
     smollm2)   "$0" smollm2-pretrained smollm2-synth smollm2-distilled smollm2-sd2 smollm2-heads ;;
     smollm2-pretrained)
                $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
-                 --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS"
+                 --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS" \
+                 --device "$DEVICE"
                mkdir -p $ASSETS/models/smollm2-pretrained
                cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
     smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by
                     # shard); two workers of one thread each share the shards
-               pids=()
-               for w in 0 1; do
+               pids=(); workers=2; [ "$DEVICE" = cpu ] || workers=1  # one process feeds a GPU
+               for ((w = 0; w < workers; w++)); do
                  $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 \
                    --prompt-min 16 --prompt-max 96 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads 1 \
-                   --shards "${SMOLLM2_SYNTH_SHARDS:-7}" --worker $w/2 &
+                   --shards "${SMOLLM2_SYNTH_SHARDS:-7}" --worker $w/$workers --device "$DEVICE" &
                  pids+=($!)
                done
                for pid in "${pids[@]}"; do wait "$pid"; done ;;  # fails when a worker failed
@@ -60,7 +74,7 @@ for step in "${STEPS[@]}"; do
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
                $PY -m steerspec train $cmd --data runs/smollm2/synth --verifier smollm2 --drafter smollm2-pretrained \
                  --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-250}" --batch-size 16 --lr 5e-4 \
-                 --eval-every 80 --save-every 10 --seed 0 --threads "$THREADS" "${extra[@]}"
+                 --eval-every 80 --save-every 10 --seed 0 --threads "$THREADS" --device "$DEVICE" "${extra[@]}"
                mkdir -p $ASSETS/models/$step
                cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \
                  $ASSETS/models/$step/
@@ -71,10 +85,11 @@ for step in "${STEPS[@]}"; do
                for d in ${SMOLLM2_HEADS_DRAFTERS:-smollm2-pretrained smollm2-distilled smollm2-sd2}; do
                  ( for kind in pacer specdecpp; do
                      $PY -m steerspec train $kind --verifier smollm2 --drafter $d --work runs/smollm2/heads-$d \
-                       --prompts 80 --gamma 20 --stride 4 --epochs 8 --seed 0 --threads 1
+                       --prompts 80 --gamma 20 --stride 4 --epochs 8 --seed 0 --threads 1 --device "$DEVICE"
                    done
                    $PY -m steerspec train sprinter --verifier smollm2 --drafter $d --work runs/smollm2/sprinter-$d \
-                     --lambda 1 --train-tokens 60000 --heldout-tokens 10000 --epochs 8 --seed 0 --threads 1 ) &
+                     --lambda 1 --train-tokens 60000 --heldout-tokens 10000 --epochs 8 --seed 0 --threads 1 \
+                     --device "$DEVICE" ) &
                  pids+=($!)
                done
                for pid in "${pids[@]}"; do wait "$pid"; done ;;

@@ -23,6 +23,12 @@ CHECKPOINT_NAME = "checkpoint.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer_meta.json")
 
 
+def add_device_argument(parser) -> None:
+    """--device: where a trainer computes (the CPU by default; `cuda` where a GPU exists)."""
+    parser.add_argument("--device", default="cpu", help="where training computes: cpu | cuda | cuda:N | auto "
+                                                        "(default: cpu)")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

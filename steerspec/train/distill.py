@@ -115,7 +115,7 @@ def pad_batch(sequences: List[Tensor], pad_id: int) -> Tuple[Tensor, Tensor]:
 
 def answer_mask(prompt_lens: Tensor, lengths: Tensor, width: int) -> Tensor:
     """[B, T] True at positions p whose next token p+1 is an answer token (p in [P−1, n−2])."""
-    pos = torch.arange(width).unsqueeze(0)
+    pos = torch.arange(width, device=prompt_lens.device).unsqueeze(0)
     return (pos >= (prompt_lens.unsqueeze(1) - 1)) & (pos <= (lengths.unsqueeze(1) - 2))
 
 
@@ -128,7 +128,7 @@ def steering_sources(prompt_lens: Tensor, width: int, delta: int) -> Tuple[Tenso
     vector), and −1 means "no verifier position" (a 1-token prompt: the head applied to zeros).
     Prompt positions (p < P−1) stay unsteered: returns (source [B, T], steered mask [B, T]).
     """
-    pos = torch.arange(width).unsqueeze(0)
+    pos = torch.arange(width, device=prompt_lens.device).unsqueeze(0)
     first = (prompt_lens - 2).unsqueeze(1)
     source = torch.maximum(pos - delta, first).clamp(min=-1)
     steered = pos >= (prompt_lens.unsqueeze(1) - 1)
@@ -253,6 +253,11 @@ class Batch:
     top_logp: Optional[Tensor] = None
     features: Optional[Tensor] = None
 
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with every tensor on `device`."""
+        moved = {name: None if value is None else value.to(device) for name, value in vars(self).items()}
+        return Batch(**moved)
+
 
 def make_batch(data: SyntheticSet, rows: List[int], pad_id: int, cached: bool = True) -> Batch:
     """The batch of `rows`; with `cached` (and a cache in `data`) the verifier's cached outputs too."""
@@ -287,7 +292,7 @@ def batch_loss(bundle: DrafterBundle, hooks, verifier, batch: Batch, sources: So
     ids, plens = batch.ids, batch.plens
     width = ids.shape[1]
     mask = answer_mask(plens, batch.lengths, width)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     features = batch.features
     if batch.top_ids is None:
         with torch.no_grad(), autocast:
@@ -315,6 +320,11 @@ def batch_loss(bundle: DrafterBundle, hooks, verifier, batch: Batch, sources: So
     return top_k_kl(batch.top_ids, batch.top_logp, d_logits, mask, head.column if on_support else None)
 
 
+def _device(bundle: DrafterBundle) -> torch.device:
+    """Where the bundle computes (its drafter's embedding's device)."""
+    return bundle.drafter.get_input_embeddings().weight.device
+
+
 @torch.no_grad()
 def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: TrainConfig, pad_id: int,
              max_batches: int = 8) -> Dict[str, float]:
@@ -329,7 +339,7 @@ def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: Tr
             break
         rows = list(range(start, min(n, start + cfg.batch_size)))
         delta = cfg.fixed_delta if cfg.fixed_delta is not None else (b % cfg.k) + 1
-        kl, ov = batch_loss(bundle, hooks, verifier, make_batch(data, rows, pad_id),
+        kl, ov = batch_loss(bundle, hooks, verifier, make_batch(data, rows, pad_id).to(_device(bundle)),
                             partial(steering_sources, delta=delta), bf16=cfg.bf16)
         total_kl += float(kl)
         total_ov += float(ov)
@@ -358,6 +368,7 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
         verifier.eval().requires_grad_(False)
     bundle.drafter.requires_grad_(True)
     freeze_shared(bundle.drafter)
+    bundle.to(_device(bundle))  # W_hml and W_s join the drafter's device
     bundle.train()
     hooks = SteeringHooks(bundle.drafter, bundle.steering) if bundle.steered else None
     train_set, val_set = data.split(cfg.val_fraction, cfg.seed)
@@ -418,7 +429,7 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
         for group, base in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base * scale
         rows = _batch_indices(len(train_set), cfg.batch_size, step, cfg.seed)
-        batch = make_batch(train_set, rows, pad_id)
+        batch = make_batch(train_set, rows, pad_id).to(_device(bundle))
         loss, overlap = batch_loss(bundle, hooks, verifier, batch, training_sources(step, cfg), cfg.bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -446,7 +457,7 @@ def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig,
     tail = [h["loss"] for h in history[-20:]]
     return {
         "steps_done": step, "steps_planned": cfg.steps, "steps_scheduled": total, "stopped_early": stopped_early,
-        "train_seconds": round(train_seconds, 1),
+        "train_seconds": round(train_seconds, 1), "device": str(_device(bundle)),
         "initial": initial, "final": final,
         "train_kl_first": history[0]["loss"] if history else None,
         "train_kl_last20": round(sum(tail) / len(tail), 5) if tail else None,
@@ -477,6 +488,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> N
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU with avx512_bf16/AMX)")
     parser.add_argument("--max-minutes", type=float, default=0.0, help="stop (and export) after this long; 0 = no limit")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    common.add_device_argument(parser)
     parser.add_argument("--no-resume", action="store_true", help="ignore OUT/checkpoint.pt")
     parser.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint.pt after finishing")
 
@@ -514,17 +526,18 @@ def config_from_args(args, steer: bool) -> TrainConfig:
 
 
 def load_pair(args, data: SyntheticSet):
-    """(verifier or None, verifier config, drafter, drafter_dir, verifier_dir) as float32 on CPU.
+    """(verifier or None, verifier config, drafter, drafter_dir, verifier_dir) as float32 on --device.
 
     The verifier itself is loaded only when `data` caches none of its outputs."""
     from transformers import AutoConfig
 
-    from steerspec.models.loading import load_model, resolve_model_dir
+    from steerspec.models.loading import load_model, resolve_device, resolve_model_dir
 
+    device = resolve_device(getattr(args, "device", "cpu"))
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
-    verifier = load_model(vdir) if data.teacher is None else None
+    verifier = load_model(vdir, device=device) if data.teacher is None else None
     vconfig = verifier.config if verifier is not None else AutoConfig.from_pretrained(str(vdir), local_files_only=True)
-    drafter = load_model(ddir, cpu_layout=False)  # trained, then saved
+    drafter = load_model(ddir, device=device, cpu_layout=False)  # trained, then saved
     if vconfig.vocab_size != drafter.config.vocab_size:
         raise UsageError(f"verifier vocab {vconfig.vocab_size} != drafter vocab {drafter.config.vocab_size}")
     return verifier, vconfig, drafter, ddir, vdir
@@ -545,7 +558,7 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
         f"verifier at T=1 (`steerspec train synth`), {r['val_sequences']} held out for validation",
         f"- {r['steps_done']} steps (asked {r['steps_planned']}, cosine schedule over {r['steps_scheduled']}) of batch {r['config']['batch_size']}, AdamW "
         f"lr {r['config']['lr']} (warm-up + cosine), grad clip {r['config']['grad_clip']}, seed {r['config']['seed']}",
-        f"- training time: {r['train_seconds']:.0f} s on CPU",
+        f"- training time: {r['train_seconds']:.0f} s on {r.get('device', 'cpu')}",
         "",
         "## Losses (forward KL(p_V ‖ q_D) per answer token, nats)"
         + (f" — over the verifier's cached top {r['teacher_top_k']} tokens (∩ the drafter's support)"
@@ -574,6 +587,7 @@ def finish(args, report: Dict, bundle: DrafterBundle, ddir: Path, vdir: Path, vc
     from steerspec.steering.io import save_drafter_checkpoint, save_steering
 
     out: Path = args.out
+    bundle.to("cpu")  # saved from host memory
     weights = vdir / "model.safetensors"
     verifier_sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
     steer = dict(verifier_num_layers=int(vconfig.num_hidden_layers), verifier=vdir.name,

@@ -116,7 +116,8 @@ def train(model, tokens: np.ndarray, cfg: LoopConfig, work: Path, log: Optional[
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
         log.info("resumed at step %d", start)
-    index = support_index(model.lm_head.support, model.config.vocab_size)
+    device = model.lm_head.weight.device
+    index = support_index(model.lm_head.support.cpu(), model.config.vocab_size).to(device)
     model.train()
     last_save, figures = time.monotonic(), {}
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", mininterval=5)
@@ -125,8 +126,8 @@ def train(model, tokens: np.ndarray, cfg: LoopConfig, work: Path, log: Optional[
         t0 = time.monotonic()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        mask = None if target_mask is None else mask_at(target_mask, step, cfg)
-        loss = reduced_loss(model, batch_at(tokens, step, cfg), index, mask)
+        mask = None if target_mask is None else mask_at(target_mask, step, cfg).to(device)
+        loss = reduced_loss(model, batch_at(tokens, step, cfg).to(device), index, mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)

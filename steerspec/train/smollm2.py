@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from steerspec.errors import UsageError
+from steerspec.train._common import add_device_argument
 
 DEFAULT_WORK = Path("runs/smollm2")
 
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    add_device_argument(parser)
     parser.add_argument("--checkpoint-s", type=float, default=600.0, help="seconds between checkpoints")
     parser.add_argument("--train-chars", type=int, default=12_000_000, help="corpus cap (characters)")
     parser.add_argument("--synthetic", type=Path, action="append", default=None,
@@ -72,13 +74,13 @@ def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
                 f"--init {args.init}` for the verifier `smollm2` (SmolLM2-135M-Instruct, Apache-2.0; see NOTICE): "
                 f"the drafter {args.init} (same draft vocabulary) trained on the verifier's own T=1 answers "
                 f"(sequence-level distillation; cross-entropy on answer tokens only): {tokens_seen:,} window tokens, "
-                f"{seconds / 60:.0f} min, seed {args.seed}, lr {args.lr}, last figures {json.dumps(figures)}.\n")
+                f"{seconds / 60:.0f} min on {args.device}, seed {args.seed}, lr {args.lr}, last figures {json.dumps(figures)}.\n")
     return (f"# smollm2 reduced drafter\n\nBuilt by `steerspec train smollm2` for the verifier `smollm2` "
             f"(SmolLM2-135M-Instruct, Apache-2.0; see NOTICE). {len(args.init_layers.split(','))} decoder layers "
             f"initialised from verifier layers {args.init_layers}; input embedding and head rows are read from "
             f"the verifier at load time (draft vocabulary: the {args.support} most frequent corpus tokens, "
             f"q = 0 elsewhere). Trained on the code corpus (stdlib + installed packages' sources, deduplicated, "
-            f"split by file): {tokens_seen:,} tokens, {seconds / 60:.0f} min, seed {args.seed}, lr {args.lr}, "
+            f"split by file): {tokens_seen:,} tokens, {seconds / 60:.0f} min on {args.device}, seed {args.seed}, lr {args.lr}, "
             f"last figures {json.dumps(figures)}.\n")
 
 
@@ -87,9 +89,11 @@ def run(args) -> int:
 
     from steerspec.data.code_corpus import build_token_arrays
     from steerspec.models import reduced, smollm2
+    from steerspec.models.loading import resolve_device
     from steerspec.train.loop import LoopConfig, train
 
     torch.set_num_threads(max(1, args.threads))
+    device = resolve_device(args.device)
     try:
         init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
     except ValueError as exc:
@@ -143,7 +147,9 @@ def run(args) -> int:
         figures = {"step": int(state["step"])}
         args.lr = state["config"]["lr"]
     elif not args.init_only:
-        figures = train(model, tokens, cfg, work / "train", log=log, stop_file=work / "STOP", target_mask=target_mask)
+        figures = train(model.to(device), tokens, cfg, work / "train", log=log, stop_file=work / "STOP",
+                        target_mask=target_mask)
+        model.to("cpu")
     steps_done = int(figures.get("step", 0))
     card = model_card(args, figures, time.monotonic() - started, steps_done * cfg.batch_size * cfg.seq_len)
     reduced.save_drafter(model, args.out, card=card)

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steerspec.errors import UsageError
+from steerspec.train._common import add_device_argument
 
 SHARD_GLOB = "shard_*.safetensors"
 META_FILE = "meta.json"
@@ -283,6 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generation batch (= per shard)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    add_device_argument(parser)
     parser.add_argument("--no-resume", action="store_true", help="start over even if shards exist")
     parser.add_argument("--teacher-top-k", type=int, default=0,
                         help="also cache the verifier's top-K log-probs of every answer token and its steering-layer "
@@ -297,7 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from steerspec.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from steerspec.models.loading import load_model, load_tokenizer, resolve_device, resolve_model_dir
 
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--samples, --batch-size and --max-new-tokens must be at least 1")
@@ -315,7 +317,8 @@ def run(args) -> int:
         raise UsageError("--teacher-top-k must be 0 (off) or a positive count")
     torch.set_num_threads(max(1, args.threads))
     vdir = resolve_model_dir(args.verifier)
-    model = load_model(vdir)
+    device = resolve_device(args.device)
+    model = load_model(vdir, device=device)
     tok = load_tokenizer(vdir)
     ctx = int(getattr(model.config, "max_position_embeddings", 512))
     tap_layers = None
@@ -363,7 +366,7 @@ def run(args) -> int:
         path = out / f"shard_{index:05d}.safetensors"
         if path.is_file():
             continue
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
+        gen = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + index)
         record: Optional[List[TeacherRecord]] = [] if args.teacher_top_k else None
         answers = sample_answers(model, batch, args.max_new_tokens, gen, temperature=args.temperature, eos_id=eos, pad_id=pad,
                                  record=record, top_k=args.teacher_top_k, tap_layers=tap_layers)
@@ -373,7 +376,7 @@ def run(args) -> int:
         bar.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.time() - start):.0f}")
     bar.close()
     data = load_synthetic(out)
-    meta.update(sequences=len(data), response_tokens=data.response_tokens(),
+    meta.update(device=str(device), sequences=len(data), response_tokens=data.response_tokens(),
                 total_tokens=sum(len(s) for s in data.sequences), seconds_this_run=round(time.time() - start, 1))
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"synth: {len(data)} sequences, {data.response_tokens()} answer tokens -> {out}")
