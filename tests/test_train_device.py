@@ -137,3 +137,31 @@ def test_reduced_drafter_trains_on_the_gpu_like_on_the_cpu(tmp_path):
         figures[device] = train(drafter, tokens, cfg, tmp_path / device)
         assert drafter.lm_head.weight.device.type == device
     assert figures["cuda"]["loss"] == pytest.approx(figures["cpu"]["loss"], rel=1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("steered", [False, True])
+def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steered):
+    """Pacer's and SpecDec++'s labelling (verifier answers, drafted blocks, steered for an SD² drafter)
+    gives the same labels on the GPU, whose cached LM serves the final-normed state eagerly."""
+    from argparse import Namespace
+
+    from test_train_sd2 import _bench_inputs
+
+    from steerspec.models import load_model
+    from steerspec.train.policy_heads import label_blocks
+
+    verifier_dir, drafter_dir = tiny_pair
+    if steered:
+        drafter_dir = _bench_inputs(tmp_path, tiny_pair)[2]
+    args = Namespace(gamma=6, ctx=8, stride=4, answer_tokens=16)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))]
+    out = {}
+    for device in ("cpu", "cuda"):
+        verifier, drafter = load_model(verifier_dir, device=device), load_model(drafter_dir, device=device)
+        out[device] = label_blocks(verifier, drafter, prompts, args, "label", drafter_dir=drafter_dir)
+    cpu, gpu = out["cpu"], out["cuda"]
+    assert cpu["label"].sum() > 0
+    for key in ("label", "valid", "context_mask", "prompt"):
+        assert torch.equal(cpu[key], gpu[key]), key
+    torch.testing.assert_close(gpu["hidden"], cpu["hidden"], atol=1e-3, rtol=1e-3)

@@ -295,6 +295,8 @@ class GraphedLM(FastCachedLM):
         if n == 0 or width is None or self.length + width > self.pool.capacity:
             return super().extend(input_ids, hidden_layers, logits_to_keep)
         layers = tuple(hidden_layers or ())
+        if self.num_layers in layers:  # the final-normed state is not captured: the eager path returns it
+            return super().extend(input_ids, hidden_layers, logits_to_keep)
         for index in layers:
             if not 0 <= index < self.num_layers:
                 raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")

@@ -74,13 +74,13 @@ def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
                 f"--init {args.init}` for the verifier `smollm2` (SmolLM2-135M-Instruct, Apache-2.0; see NOTICE): "
                 f"the drafter {args.init} (same draft vocabulary) trained on the verifier's own T=1 answers "
                 f"(sequence-level distillation; cross-entropy on answer tokens only): {tokens_seen:,} window tokens, "
-                f"{seconds / 60:.0f} min on {args.device}, seed {args.seed}, lr {args.lr}, last figures {json.dumps(figures)}.\n")
+                f"{seconds / 60:.1f} min on {args.device}, seed {args.seed}, lr {args.lr}, last figures {json.dumps(figures)}.\n")
     return (f"# smollm2 reduced drafter\n\nBuilt by `steerspec train smollm2` for the verifier `smollm2` "
             f"(SmolLM2-135M-Instruct, Apache-2.0; see NOTICE). {len(args.init_layers.split(','))} decoder layers "
             f"initialised from verifier layers {args.init_layers}; input embedding and head rows are read from "
             f"the verifier at load time (draft vocabulary: the {args.support} most frequent corpus tokens, "
             f"q = 0 elsewhere). Trained on the code corpus (stdlib + installed packages' sources, deduplicated, "
-            f"split by file): {tokens_seen:,} tokens, {seconds / 60:.0f} min on {args.device}, seed {args.seed}, lr {args.lr}, "
+            f"split by file): {tokens_seen:,} tokens, {seconds / 60:.1f} min on {args.device}, seed {args.seed}, lr {args.lr}, "
             f"last figures {json.dumps(figures)}.\n")
 
 
