@@ -165,3 +165,32 @@ def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steer
     for key in ("label", "valid", "context_mask", "prompt"):
         assert torch.equal(cpu[key], gpu[key]), key
     torch.testing.assert_close(gpu["hidden"], cpu["hidden"], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("steered", [False, True])
+def test_policy_head_labels_are_the_same_through_the_graphed_cached_lm(tmp_path, tiny_pair, steered, monkeypatch):
+    """The GPU's cached LM (GraphedLM: eager static path on a CPU) labels what FastCachedLM labels,
+    steering included: the final-normed state it serves eagerly is the one the static path would."""
+    from argparse import Namespace
+
+    from test_train_sd2 import _bench_inputs
+
+    import steerspec.models as models
+    from steerspec.models import load_model
+    from steerspec.models.kv import cached_lm
+    from steerspec.train.policy_heads import label_blocks
+
+    verifier_dir, drafter_dir = tiny_pair
+    if steered:
+        drafter_dir = _bench_inputs(tmp_path, tiny_pair)[2]
+    args = Namespace(gamma=6, ctx=8, stride=4, answer_tokens=16)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))]
+    out = {}
+    for backend in ("fast", "graphed"):
+        monkeypatch.setattr(models, "cached_lm", lambda model, backend=backend: cached_lm(model, backend))
+        out[backend] = label_blocks(load_model(verifier_dir), load_model(drafter_dir), prompts, args, "label",
+                                    drafter_dir=drafter_dir)
+    assert out["fast"]["label"].sum() > 0
+    for key in ("label", "valid", "context_mask"):
+        assert torch.equal(out["fast"][key], out["graphed"][key]), key
+    torch.testing.assert_close(out["graphed"]["hidden"], out["fast"]["hidden"], atol=1e-4, rtol=1e-4)
