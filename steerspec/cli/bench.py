@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|sd2|hop|overlap|step|sprinter|policies|soak`: benchmarks that print a table and write JSON."""
+"""`steerspec bench engine|remote|sd2|hop|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a table and write JSON."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -12,6 +12,7 @@ COMMANDS = (
     ("policies", "steerspec.bench.policies", "draft-length policies (GammaTune Table 2, Pacer Tables 1/6 layouts) at RTTs"),
     ("soak", "steerspec.bench.soak", "chaos soak: clients generate while parts are killed; nothing lost, repeated or wrong"),
     ("step", "steerspec.bench.step", "per-step latencies (drafter step, k+1 extend, draft/verify block) vs an HF floor"),
+    ("layouts", "steerspec.bench.layouts", "CPU weight layout per pass of n rows: input-major vs out-major copies"),
 )
 
 

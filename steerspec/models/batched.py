@@ -111,7 +111,8 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
     linear, rms_norm, sdpa = F.linear, _rms_norm, F.scaled_dot_product_attention
     x = F.embedding(torch.cat(ids).to(device), first._embed)  # [N, D]
     captured = {}
-    for index, plan in enumerate(first._plans):
+    plans, head = first.plans_for(total)
+    for index, plan in enumerate(plans):
         if index in layers:
             captured[index] = x
         h = rms_norm(x, *plan[1])
@@ -142,7 +143,7 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
     normed = rms_norm(x, *first._final_norm)
     if first.num_layers in layers:
         captured[first.num_layers] = normed
-    logits = first.project(normed)
+    logits = first.project(normed, head)
     hidden = torch.stack([captured[i] for i in layers]) if layers else None
     results = []
     for lm, (lo, hi) in zip(lms, spans):

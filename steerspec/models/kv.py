@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from steerspec.models.layouts import LayoutPlans, out_major_rows
+
 TokenIds = Union[Sequence[int], Tensor]
 
 
@@ -202,12 +204,28 @@ class FastCachedLM(CachedLM):
                 (mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias),
                 (mlp.down_proj.weight, mlp.down_proj.bias),
             ))
+        self.set_out_major_rows(out_major_rows() if self.device.type == "cpu" else frozenset())
 
-    def project(self, normed: Tensor) -> Tensor:
-        """Final-normed hidden states -> full-vocabulary logits."""
+    def set_out_major_rows(self, rows) -> None:
+        """Use the out-major weight copies for passes of these row counts (see `plans_for`)."""
+        self._out_rows = frozenset(rows)
+        self._layouts = LayoutPlans(self.model, self._plans, self._head) if self._out_rows else None
+        if self._layouts is not None and not self._layouts.useful:
+            self._layouts = None
+
+    def plans_for(self, rows: int) -> "tuple[list, tuple]":
+        """(layer plans, head) for a pass over `rows` rows: the out-major weight copies where they are
+        faster (`steerspec/models/layouts.py`), else the model's own weights."""
+        if self._layouts is not None and rows in self._out_rows:
+            current = self._layouts.current()
+            return current.plans, current.head
+        return self._plans, self._head
+
+    def project(self, normed: Tensor, head: Optional[Tuple[Tensor, Optional[Tensor]]] = None) -> Tensor:
+        """Final-normed hidden states -> full-vocabulary logits (`head`: this weight and bias instead)."""
         if self._head_module is not None:
             return self._head_module(normed)
-        return F.linear(normed, *self._head)
+        return F.linear(normed, *(head or self._head))
 
     def set_up_bias(self, biases: Optional[Sequence[Optional[Tensor]]]) -> None:
         """SD² steering: add biases[l] ([intermediate]) to the up branch of layer l; None clears."""
@@ -275,10 +293,11 @@ class FastCachedLM(CachedLM):
         global_hooks = _has_global_hooks()
         up_bias = self.up_bias
         x = F.embedding(input_ids, self._embed)  # [1, n, D]
+        plans = self.plans_for(n)[0]
         for index, layer in enumerate(self.layers):
             if index in want:
                 captured[index] = x[0]
-            plan = self._plans[index]
+            plan = plans[index]
             hooked, steering = (True, None) if global_hooks else _hook_state(plan[0])
             bias = None if up_bias is None else up_bias[index]
             if hooked:
@@ -333,7 +352,7 @@ class FastCachedLM(CachedLM):
         normed = rms_norm(x, *self._final_norm)
         if self.keep_last_hidden:
             self.last_hidden = normed[0, -1]
-        logits = self.project(normed)[0]
+        logits = self.project(normed, self.plans_for(normed.shape[1])[1])[0]
         if self.num_layers in want:
             captured[self.num_layers] = normed[0]
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
