@@ -128,12 +128,13 @@ def test_bench_engine_smoke(capsys, pair_args, tmp_path):
     assert "tokens/s" in stdout
     data = json.loads(out.read_text())
     methods = {r["method"] for r in data["results"]}
-    assert {"verifier alone", "speculative k=1", "speculative k=2", "transformers assisted (default)"} <= methods
+    assert {"verifier alone", "speculative k=1", "speculative k=2", "transformers assisted (default)",
+            "transformers greedy (out-major)", "transformers assisted (default) (out-major)"} <= methods
     assert data["summary"]["all_outputs_equal"] is True and data["summary"]["ratio_vs_assisted"] > 0
     for row in data["results"]:
         assert row["tokens_per_s"] > 0 and row["block_efficiency"] >= 1.0
     assert data["steering"] is False
-    assert data["summary"]["baseline"] in ("verifier alone", "transformers greedy")
+    assert data["summary"]["baseline"] in ("verifier alone", "transformers greedy", "transformers greedy (out-major)")
 
 
 def test_bench_engine_steers_an_sd2_drafter(capsys, tmp_path):

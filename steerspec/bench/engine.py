@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "fast", "hf", "graphed"),
                         help="KV-cache backend of our engine (default: auto = graphed on CUDA, else fast when supported)")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument("--no-hf-out-major", action="store_true",
+                        help="on a CPU, skip transformers' rows on the models' original out-major weights (by "
+                             "default they run on both layouts, and the faster counts: BLAS reads one-row "
+                             "steps faster input-major and 2-3-row passes faster out-major)")
     parser.add_argument("--out", default="bench-results/engine.json", help="JSON output path")
     add_model_arguments(parser)
 
@@ -124,16 +128,24 @@ def run(args: argparse.Namespace) -> int:
 
     default_gen = copy.deepcopy(drafter.generation_config)
     pad = eos[0] if eos else 0
+    # transformers on each weight layout (on a CPU): "" = SteerSpec's loading (input-major), else the original
+    hf_models = {"": (verifier, drafter)}
+    if verifier.device.type == "cpu" and not args.no_hf_out_major:
+        from steerspec.models import load_model
 
-    def hf_generate(ids, assistant=None, gen_config=None):
-        counter = CallCounter(verifier)
+        hf_models[" (out-major)"] = (load_model(args.verifier, dtype=args.dtype, device=args.device, cpu_layout=False),
+                                     load_model(args.drafter, dtype=args.dtype, device=args.device, cpu_layout=False))
+
+    def hf_generate(ids, assistant=None, gen_config=None, target=None):
+        target = verifier if target is None else target
+        counter = CallCounter(target)
         if assistant is not None:
             assistant.generation_config = copy.deepcopy(gen_config)
-        input_ids = torch.tensor([ids], device=verifier.device)
+        input_ids = torch.tensor([ids], device=target.device)
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = verifier.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                         assistant_model=assistant, max_new_tokens=args.max_new_tokens,
                                         eos_token_id=list(eos) or None, pad_token_id=pad)
             wall = time.perf_counter() - t0
@@ -144,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
         tokens = out[0, len(ids):].tolist()
         return GenerationResult(token_ids=tokens, mode="transformers", rounds=counter.calls, wall_s=wall)
 
-    methods["transformers greedy"] = lambda ids: hf_generate(ids)
-    if not args.no_assisted:
-        methods["transformers assisted (default)"] = lambda ids: hf_generate(ids, drafter, default_gen)
+    for label, (hf_v, hf_d) in hf_models.items():
+        methods[f"transformers greedy{label}"] = lambda ids, v=hf_v: hf_generate(ids, target=v)
+        if not args.no_assisted:
+            methods[f"transformers assisted (default){label}"] = (
+                lambda ids, v=hf_v, d=hf_d: hf_generate(ids, d, default_gen, target=v))
 
     console = Console(stderr=True)
     console.print(f"[bold]bench engine[/]: {len(prompts)} {args.eval_set} prompts, {args.max_new_tokens} new tokens, "
@@ -172,21 +186,25 @@ def run(args: argparse.Namespace) -> int:
         fixed.num_assistant_tokens = best_k
         fixed.num_assistant_tokens_schedule = "constant"
         fixed.assistant_confidence_threshold = 0.0
-        name = f"transformers assisted (k={best_k} fixed)"
+        label = max(hf_models, key=lambda lb: aggregate(results[f"transformers assisted (default){lb}"])["tokens_per_s"])
+        hf_v, hf_d = hf_models[label]  # the layout transformers' assisted generation ran faster on
+        name = f"transformers assisted (k={best_k} fixed){label}"
         results[name] = []
-        hf_generate(prompts[0][:16], drafter, fixed)
+        hf_generate(prompts[0][:16], hf_d, fixed, target=hf_v)
         spec_name = best_spec
         again = []
         for ids in prompts:  # interleave with our best setting again, so this comparison is like for like
-            results[name].append(hf_generate(ids, drafter, fixed))
+            results[name].append(hf_generate(ids, hf_d, fixed, target=hf_v))
             again.append(methods[spec_name](ids))
         results[f"{spec_name} (rerun)"] = again
-    drafter.generation_config = default_gen
+    for _, hf_d in hf_models.values():
+        hf_d.generation_config = copy.deepcopy(default_gen)
 
     reference = [r.token_ids for r in results["verifier alone"]]
     rows = []
     # The baseline is the faster of our autoregressive mode and transformers' greedy generate.
-    baseline = max(("verifier alone", "transformers greedy"), key=lambda n: aggregate(results[n])["tokens_per_s"])
+    baseline = max(["verifier alone"] + [f"transformers greedy{label}" for label in hf_models],
+                   key=lambda n: aggregate(results[n])["tokens_per_s"])
     base_tps = aggregate(results[baseline])["tokens_per_s"]
     for name, rs in results.items():
         agg = aggregate(rs)
