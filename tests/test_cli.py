@@ -123,13 +123,14 @@ def test_bench_engine_smoke(capsys, pair_args, tmp_path):
     """`steerspec bench engine` end to end on one prompt: table, JSON, identical greedy outputs."""
     out = tmp_path / "engine.json"
     code, stdout, err = run_cli(capsys, ["bench", "engine", "--prompts", "2", "--max-new-tokens", "6", "--ks", "1,2",
-                                         "--out", str(out)] + pair_args)
+                                         "--compare-layouts", "--out", str(out)] + pair_args)
     assert code == 0, err
     assert "tokens/s" in stdout
     data = json.loads(out.read_text())
     methods = {r["method"] for r in data["results"]}
     assert {"verifier alone", "speculative k=1", "speculative k=2", "transformers assisted (default)",
-            "transformers greedy (out-major)", "transformers assisted (default) (out-major)"} <= methods
+            "transformers greedy (out-major)", "transformers assisted (default) (out-major)",
+            "speculative k=1 (no out-major copies)", "speculative k=2 (no out-major copies)"} <= methods
     assert data["summary"]["all_outputs_equal"] is True and data["summary"]["ratio_vs_assisted"] > 0
     for row in data["results"]:
         assert row["tokens_per_s"] > 0 and row["block_efficiency"] >= 1.0

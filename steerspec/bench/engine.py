@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "fast", "hf", "graphed"),
                         help="KV-cache backend of our engine (default: auto = graphed on CUDA, else fast when supported)")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument("--compare-layouts", action="store_true",
+                        help="on a CPU, also run each k whose verify pass uses the out-major weight copies "
+                             "(k + 1 in STEERSPEC_OUT_MAJOR_ROWS) without them, interleaved, to show what they give")
     parser.add_argument("--no-hf-out-major", action="store_true",
                         help="on a CPU, skip transformers' rows on the models' original out-major weights (by "
                              "default they run on both layouts, and the faster counts: BLAS reads one-row "
@@ -112,19 +115,28 @@ def run(args: argparse.Namespace) -> int:
 
     steering = maybe_steering_weights(drafter, resolve_model_dir(args.drafter), device=drafter.device)
 
-    def speculative(k: int) -> Callable:
+    def speculative(k: int, v=None, d=None) -> Callable:
         """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that
         transformers' assisted generation below runs the same drafter unsteered, with no stale g)."""
+        v, d = v or v_lm, d or d_lm
+
         def generate(ids):
             if steering is None:
-                return speculative_generate(v_lm, d_lm, ids, config, FixedK(k))
-            with SD2Steering(d_lm, steering) as hooks:
-                return speculative_generate(v_lm, d_lm, ids, config, FixedK(k), steering=hooks)
+                return speculative_generate(v, d, ids, config, FixedK(k))
+            with SD2Steering(d, steering) as hooks:
+                return speculative_generate(v, d, ids, config, FixedK(k), steering=hooks)
         return generate
 
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
         methods[f"speculative k={k}"] = speculative(k)
+    if args.compare_layouts and getattr(v_lm, "_out_rows", None):
+        plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
+        for lm in (plain_v, plain_d):
+            lm.set_out_major_rows(())
+        for k in ks:
+            if k + 1 in v_lm._out_rows:
+                methods[f"speculative k={k} (no out-major copies)"] = speculative(k, plain_v, plain_d)
 
     default_gen = copy.deepcopy(drafter.generation_config)
     pad = eos[0] if eos else 0
@@ -178,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     run_all()
 
     # transformers assisted generation with num_assistant_tokens fixed at our best k
-    best_spec = max((n for n in methods if n.startswith("speculative")),
+    best_spec = max((n for n in methods if n.startswith("speculative") and "(" not in n),
                     key=lambda n: aggregate(results[n])["tokens_per_s"])
     best_k = int(best_spec.split("=")[1])
     if not args.no_assisted:
