@@ -1,4 +1,5 @@
-"""SD² hooks keep FastCachedLM on its fast path, with logits identical to the transformers module path."""
+"""SD² hooks keep FastCachedLM on its fast path, with logits identical to the transformers module path
+(and, with the out-major weight copies of 2–3-row passes, equal to rounding)."""
 
 import torch
 
@@ -7,7 +8,9 @@ from steerspec.models.kv import CachedLM, FastCachedLM, _hook_state
 from steerspec.steering import attach_steering, load_steering
 
 
-def test_steered_fast_path_equals_module_path_and_stays_fast():
+def test_steered_fast_path_equals_module_path_and_stays_fast(monkeypatch):
+    from steerspec.models.layouts import ENV
+
     directory = resolve_model_dir("sd2")
     model = load_model(directory)
     weights = load_steering(directory)
@@ -17,7 +20,9 @@ def test_steered_fast_path_equals_module_path_and_stays_fast():
         g = torch.randn(1, weights.config.verifier_hidden_size)
         prompt = torch.randint(1, model.config.vocab_size, (12,)).tolist()
         outputs = {}
-        for cls in (CachedLM, FastCachedLM):
+        for name, cls, rows in (("CachedLM", CachedLM, ""), ("FastCachedLM", FastCachedLM, ""),
+                                ("copies", FastCachedLM, "2,3")):
+            monkeypatch.setenv(ENV, rows)  # bitwise: the same weights as the module path; "copies": 3-row passes
             lm = cls(model)
             with torch.inference_mode():
                 hooks.set_vector(g, steer_prefix=False)  # first block: prompt[:-1] stays unsteered
@@ -27,9 +32,10 @@ def test_steered_fast_path_equals_module_path_and_stays_fast():
                 later = lm.extend([7, 9, 11], logits_to_keep=3).logits.clone()
                 hooks.clear()
                 plain = lm.extend([13], logits_to_keep=1).logits.clone()
-            outputs[cls.__name__] = (first, one, later, plain)
-        for slow, fast in zip(outputs["CachedLM"], outputs["FastCachedLM"]):
+            outputs[name] = (first, one, later, plain)
+        for slow, fast, copies in zip(outputs["CachedLM"], outputs["FastCachedLM"], outputs["copies"]):
             assert torch.equal(slow, fast)
+            torch.testing.assert_close(copies, slow, atol=1e-4, rtol=1e-4)
         fast_lm = FastCachedLM(model)
         assert all(_hook_state(plan[0]) == (False, hooks) for plan in fast_lm._plans)
     finally:
