@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     def speculative(k: int, v=None, d=None) -> Callable:
         """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that
         transformers' assisted generation below runs the same drafter unsteered, with no stale g)."""
-        v, d = v or v_lm, d or d_lm
+        v, d = (v_lm, d_lm) if v is None else (v, d)
 
         def generate(ids):
             if steering is None:
@@ -130,12 +130,12 @@ def run(args: argparse.Namespace) -> int:
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
         methods[f"speculative k={k}"] = speculative(k)
-    if args.compare_layouts and getattr(v_lm, "_out_rows", None):
+    if args.compare_layouts and getattr(v_lm, "out_major_rows", None):
         plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
         for lm in (plain_v, plain_d):
             lm.set_out_major_rows(())
         for k in ks:
-            if k + 1 in v_lm._out_rows:
+            if k + 1 in v_lm.out_major_rows:
                 methods[f"speculative k={k} (no out-major copies)"] = speculative(k, plain_v, plain_d)
 
     default_gen = copy.deepcopy(drafter.generation_config)

@@ -77,7 +77,7 @@ def run(args) -> int:
     input_major, out_major = FastCachedLM(model), FastCachedLM(model)
     input_major.set_out_major_rows(())
     out_major.set_out_major_rows(rows)
-    if out_major._layouts is None:
+    if not out_major.out_major_rows:
         raise UsageError(f"{args.verifier}: no input-major CPU weights to compare (is it on a CPU?)")
     prompt = [(13 * i + 5) % 1000 + 100 for i in range(args.prompt_tokens)]
     samples = measure({"input-major": input_major, "out-major": out_major}, rows, args.repeats, prompt)

@@ -213,6 +213,11 @@ class FastCachedLM(CachedLM):
         if self._layouts is not None and not self._layouts.useful:
             self._layouts = None
 
+    @property
+    def out_major_rows(self) -> "frozenset[int]":
+        """The row counts whose passes read the out-major copies (empty when none are in use)."""
+        return self._out_rows if self._layouts is not None else frozenset()
+
     def plans_for(self, rows: int) -> "tuple[list, tuple]":
         """(layer plans, head) for a pass over `rows` rows: the out-major weight copies where they are
         faster (`steerspec/models/layouts.py`), else the model's own weights."""
@@ -293,7 +298,7 @@ class FastCachedLM(CachedLM):
         global_hooks = _has_global_hooks()
         up_bias = self.up_bias
         x = F.embedding(input_ids, self._embed)  # [1, n, D]
-        plans = self.plans_for(n)[0]
+        plans, head = self.plans_for(n)
         for index, layer in enumerate(self.layers):
             if index in want:
                 captured[index] = x[0]
@@ -352,7 +357,9 @@ class FastCachedLM(CachedLM):
         normed = rms_norm(x, *self._final_norm)
         if self.keep_last_hidden:
             self.last_hidden = normed[0, -1]
-        logits = self.project(normed, self.plans_for(normed.shape[1])[1])[0]
+        if normed.shape[1] != n:  # logits_to_keep: the head's pass has fewer rows than the layers'
+            head = self.plans_for(normed.shape[1])[1]
+        logits = self.project(normed, head)[0]
         if self.num_layers in want:
             captured[self.num_layers] = normed[0]
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None

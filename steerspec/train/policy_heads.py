@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from steerspec.errors import UsageError, float_list
+from steerspec.train import _common as common
 
 MODEL_CARD = """# {kind} head for drafter `{drafter}` (verifier `{verifier}`)
 
@@ -114,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    common.add_device_argument(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="relabel and restart training")
     parser.add_argument("--tune-rtt-ms", default="0,50",

@@ -21,6 +21,7 @@ from typing import Dict, List
 import torch
 
 from steerspec.errors import UsageError
+from steerspec.train import _common as common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    common.add_device_argument(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-resume", action="store_true", help="recompute features and restart training")
 
