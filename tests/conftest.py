@@ -15,6 +15,11 @@ grpc_env.apply()  # the same gRPC transport as the CLI; before any test module i
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+# transformers binds its log handler to the sys.stderr of its first use: make that pytest's session
+# stream, not a test's capsys stream, which is closed after that test (later warnings then fail to write)
+hf_logging.get_logger()
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "steerspec" / "assets"

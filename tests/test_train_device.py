@@ -139,11 +139,9 @@ def test_reduced_drafter_trains_on_the_gpu_like_on_the_cpu(tmp_path):
     assert figures["cuda"]["loss"] == pytest.approx(figures["cpu"]["loss"], rel=1e-2)
 
 
-@needs_cuda
-@pytest.mark.parametrize("steered", [False, True])
-def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steered):
-    """Pacer's and SpecDec++'s labelling (verifier answers, drafted blocks, steered for an SD² drafter)
-    gives the same labels on the GPU, whose cached LM serves the final-normed state eagerly."""
+def _labelling(tmp_path, tiny_pair, steered: bool):
+    """labels(device): Pacer's and SpecDec++'s labels of three short prompts on the tiny pair (its
+    drafter with random SD² steering when `steered`, made once so every call labels the same drafter)."""
     from argparse import Namespace
 
     from test_train_sd2 import _bench_inputs
@@ -156,11 +154,20 @@ def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steer
         drafter_dir = _bench_inputs(tmp_path, tiny_pair)[2]
     args = Namespace(gamma=6, ctx=8, stride=4, answer_tokens=16)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))]
-    out = {}
-    for device in ("cpu", "cuda"):
-        verifier, drafter = load_model(verifier_dir, device=device), load_model(drafter_dir, device=device)
-        out[device] = label_blocks(verifier, drafter, prompts, args, "label", drafter_dir=drafter_dir)
-    cpu, gpu = out["cpu"], out["cuda"]
+
+    def labels(device: str = "cpu"):
+        return label_blocks(load_model(verifier_dir, device=device), load_model(drafter_dir, device=device), prompts,
+                            args, "label", drafter_dir=drafter_dir)
+    return labels
+
+
+@needs_cuda
+@pytest.mark.parametrize("steered", [False, True])
+def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steered):
+    """Pacer's and SpecDec++'s labelling (verifier answers, drafted blocks, steered for an SD² drafter)
+    gives the same labels on the GPU, whose cached LM serves the final-normed state eagerly."""
+    labels = _labelling(tmp_path, tiny_pair, steered)
+    cpu, gpu = labels("cpu"), labels("cuda")
     assert cpu["label"].sum() > 0
     for key in ("label", "valid", "context_mask", "prompt"):
         assert torch.equal(cpu[key], gpu[key]), key
@@ -171,25 +178,14 @@ def test_policy_head_labels_on_the_gpu_equal_the_cpus(tmp_path, tiny_pair, steer
 def test_policy_head_labels_are_the_same_through_the_graphed_cached_lm(tmp_path, tiny_pair, steered, monkeypatch):
     """The GPU's cached LM (GraphedLM: eager static path on a CPU) labels what FastCachedLM labels,
     steering included: the final-normed state it serves eagerly is the one the static path would."""
-    from argparse import Namespace
-
-    from test_train_sd2 import _bench_inputs
-
     import steerspec.models as models
-    from steerspec.models import load_model
     from steerspec.models.kv import cached_lm
-    from steerspec.train.policy_heads import label_blocks
 
-    verifier_dir, drafter_dir = tiny_pair
-    if steered:
-        drafter_dir = _bench_inputs(tmp_path, tiny_pair)[2]
-    args = Namespace(gamma=6, ctx=8, stride=4, answer_tokens=16)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))]
+    labels = _labelling(tmp_path, tiny_pair, steered)
     out = {}
     for backend in ("fast", "graphed"):
         monkeypatch.setattr(models, "cached_lm", lambda model, backend=backend: cached_lm(model, backend))
-        out[backend] = label_blocks(load_model(verifier_dir), load_model(drafter_dir), prompts, args, "label",
-                                    drafter_dir=drafter_dir)
+        out[backend] = labels()
     assert out["fast"]["label"].sum() > 0
     for key in ("label", "valid", "context_mask"):
         assert torch.equal(out["fast"][key], out["graphed"][key]), key
