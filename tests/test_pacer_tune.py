@@ -82,3 +82,25 @@ def test_a_stop_head_pays_per_round():
     n = torch.tensor([4.0])
     assert float(cost.block_ms(n)) == 14.0  # fixed k: no head runs
     assert float(cost.block_ms(n, b=1)) == 22.0 and float(cost.block_ms(n, b=3)) == 18.0  # ⌈4/3⌉ = 2 rounds
+
+
+def test_a_measured_verify_table_prices_each_block_length():
+    """Verify passes measured per token count (flat for 1–3 tokens, a step at 4) replace the line where
+    measured; past the table the line's slope continues from its last entry. With that step the best
+    fixed k is 2 (3 tokens), where a line through the 1- and 9-token costs would say 1."""
+    table = (40.0, 40.5, 41.0, 58.0, 60.0, 62.0, 64.0, 66.0, 68.0)
+    cost = BlockCost(draft_ms=3.0, v0=38.5, v1=3.5, verify_ms=table)
+    assert cost.verify(torch.tensor([1.0, 3.0, 4.0, 9.0, 11.0])).tolist() == pytest.approx([40.0, 41.0, 58.0, 68.0, 75.0])
+    assert cost.block_ms(torch.tensor([2.0])).item() == pytest.approx(2 * 3.0 + 41.0)
+    accepted, _ = _blocks(400, 8)
+    accepted = accepted.clamp(max=3)
+    flat = torch.full((400, 8), 0.5)
+    assert tune(flat, accepted, cost, cap=8)["best_fixed_k"] == 2
+    assert tune(flat, accepted, BlockCost(draft_ms=3.0, v0=38.5, v1=3.5), cap=8)["best_fixed_k"] != 2
+
+
+def test_the_model_card_states_the_verify_costs_the_tuning_used():
+    from steerspec.train.policy_heads import _verify_text
+
+    assert _verify_text({"v0": 25.06, "v1": 3.624}) == "25.1 + 3.62·tokens ms"
+    assert _verify_text({"v0": 1.0, "v1": 2.0, "verify_ms": [40.04, 40.5, 58.0]}) == "1..3 tokens 40.0, 40.5, 58.0 ms"

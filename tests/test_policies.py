@@ -265,6 +265,49 @@ def test_latency_policy_re_measures_a_stale_cost_line():
     assert len(set(ks[-60:])) >= 2  # still measuring more than one length
 
 
+def _stepped_verify(k: int) -> float:
+    """A verifier with out-major copies for 2–3-row passes: 1–2 drafts cost about the same, 3 a step more."""
+    return 45.0 + 1.0 * k if k <= 2 else 62.0 + 6.0 * (k - 3)
+
+
+def test_latency_policy_models_a_stepped_verify_cost():
+    """Verify costs flat for 1–2 drafts and 15 ms more from 3 (SteerSpec's CPU verifier with out-major
+    copies): the best fixed k is 2 at acceptance 0.65. With per-length residuals the policy settles on
+    2 from any seed; a straight verify line (the foil) prices the step into k = 2 and drifts to k = 1."""
+    settled, foil = [], []
+    for seed in range(3):
+        for residuals, into in ((True, settled), (False, foil)):
+            policy = make_policy("latency:max=16")
+            policy.verify.residuals = residuals
+            ks = _drive(policy, 300, 0.65, lambda k: 2.0 + 3.5 * k, _stepped_verify, 0.0, seed=seed, noise=0.1)
+            into.append(sum(ks[-100:]) / 100)
+            if residuals:
+                assert policy.verify(3) - policy.verify(2) > 5.0, [policy.verify(k) for k in (1, 2, 3)]
+    assert all(1.9 <= k <= 2.1 for k in settled), settled
+    assert min(foil) < 1.5, foil
+
+
+def test_cost_line_residuals_price_a_step_and_an_unmeasured_length_like_its_neighbour():
+    """Residuals make the model exact at measured lengths of a stepped cost; an unmeasured length takes
+    its nearest measured neighbour's residual (the lower on a tie); a saved state restores them."""
+    from steerspec.policies.costline import CostLine
+
+    line = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
+    cost = {1: 46.0, 2: 47.0, 3: 62.0}
+    for t in range(90):
+        k = (1, 2, 3)[t % 3]
+        line.add(k, cost[k])
+    assert [line(k) for k in (1, 2, 3)] == pytest.approx([46.0, 47.0, 62.0], abs=0.5)
+    assert line(5) == pytest.approx(line.line(5) + line.residual[2])
+    again = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
+    again.load_state_dict(line.state_dict())
+    assert [again(k) for k in range(1, 9)] == [line(k) for k in range(1, 9)]
+    plain = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05)
+    for t in range(90):
+        plain.add((1, 2, 3)[t % 3], cost[(1, 2, 3)[t % 3]])
+    assert abs(plain(2) - 47.0) > 2.0  # a line cannot hold the step
+
+
 def test_in_process_feedback_carries_the_time_between_blocks(setup):
     """In process a block's cost outside draft and verify (rollback, commit, steering, the previous
     block's accounting) reaches the policy as overhead_ms; a steering hook that takes 15 ms shows up."""

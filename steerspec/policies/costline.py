@@ -16,6 +16,14 @@ The slope is clamped to [`min_share`, 1] × the mean cost per token, which keeps
 line is identified an observation counts clipped to within ±`HUBER` of the line's value, so one
 stall on a loaded machine (tens of ms in a block of any length) moves the line by a bounded step
 instead of tilting the slope; a lasting change still moves it, by up to that step per block.
+
+With `residuals`, a cost that is not a line (a verifier whose 1–3-token passes cost about the same and
+4-token ones 30% more, as SteerSpec's own on a CPU with out-major weight copies) is modelled as the
+line plus a per-length residual: each observation's distance from the line refitted with it, averaged
+with the same decaying weights as the per-length means (a length not measured for a while takes a
+fresh observation almost whole). A length never measured takes the residual of the nearest measured
+one (the lower on a tie), so a step seen at 3 also prices 4 and 5. Residuals are relative to the
+line, which follows the host's drift, so they survive it.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ class CostLine:
     """c0 + c1·k from (k, ms) observations, k in 1..max_k."""
 
     def __init__(self, max_k: int, beta: float, prior: Tuple[float, float], prior_share: float,
-                 min_share: float = 0.0) -> None:
+                 min_share: float = 0.0, residuals: bool = False) -> None:
         self.max_k, self.beta = int(max_k), float(beta)
+        self.residuals = bool(residuals)
+        self.residual: List[float] = [0.0] * self.max_k  # per length: observed minus the line, averaged
         self.prior, self.prior_share, self.min_share = prior, float(prior_share), float(min_share)
         self.weight: List[float] = [0.0] * self.max_k
         self.mean: List[float] = [0.0] * self.max_k
@@ -66,9 +76,11 @@ class CostLine:
         self.last = (k, ms)
         self.weight = [max(w * keep, MIN_WEIGHT) if w > 0 else 0.0 for w in self.weight]
         i = k - 1
-        self.mean[i] = (self.weight[i] * self.mean[i] + ms) / (self.weight[i] + 1.0)
+        before = self.weight[i]
+        self.mean[i] = (before * self.mean[i] + ms) / (before + 1.0)
         self.weight[i] += 1.0
         self._fit()
+        self.residual[i] = (before * self.residual[i] + ms - self.line(k)) / (before + 1.0)
 
     def _fit(self) -> None:
         points = [(k + 1, w, self.mean[k]) for k, w in enumerate(self.weight) if w > 0]
@@ -83,12 +95,28 @@ class CostLine:
         self.c1 = min(max(slope, self.min_share * per_token), per_token)
         self.c0 = max(0.0, y_bar - self.c1 * k_bar)
 
-    def __call__(self, k: int) -> float:
+    def line(self, k: int) -> float:
+        """c0 + c1·k."""
         return self.c0 + self.c1 * k
+
+    def off_line(self, k: int) -> float:
+        """The residual at k: its own if k was measured, else the nearest measured length's; 0 without
+        residuals or before any measurement."""
+        if not self.residuals:
+            return 0.0
+        measured = self.lengths()
+        if not measured:
+            return 0.0
+        nearest = min(measured, key=lambda m: (abs(m - k), m))
+        return self.residual[nearest - 1]
+
+    def __call__(self, k: int) -> float:
+        """The modelled cost of k tokens (never below 0)."""
+        return max(0.0, self.line(k) + self.off_line(k))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"weight": list(self.weight), "mean": list(self.mean), "c": [self.c0, self.c1],
-                "pairs": list(self.pairs), "last": list(self.last)}
+                "pairs": list(self.pairs), "last": list(self.last), "residual": list(self.residual)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         weight, mean = [float(w) for w in state["weight"]], [float(m) for m in state["mean"]]
@@ -99,3 +127,7 @@ class CostLine:
         self.pairs = [float(x) for x in state.get("pairs", (0.0, 0.0))]
         last = state.get("last", (0, 0.0))
         self.last = (int(last[0]), float(last[1]))
+        residual = [float(r) for r in state.get("residual", [0.0] * self.max_k)]
+        if len(residual) != self.max_k:
+            raise ValueError(f"cost line has {len(residual)} residuals, policy has max={self.max_k}")
+        self.residual = residual

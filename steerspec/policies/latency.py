@@ -3,20 +3,23 @@
 Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j} a_i,
 with a_i the probability that draft i is accepted given drafts 1..i-1 were (EWMA per position over
 the positions the verifier judged, prior a0, clipped to [0.01, 0.99]). Expected time
-T(k) = d0 + d1·k + v0 + v1·k + o: the draft and verify lines are fitted to the measured draft_ms
-and verify_ms of past blocks against their drafted length (`CostLine`: weighted least squares over
-per-length EWMAs), so d0 holds the drafter call's per-block cost (RPC, the first step's prefill)
-and d1 one drafter step; o is the EWMA of queue + network + overhead ms per block (everything else
-a block waits for, whatever its length). Priors: d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a line
-measured at one length only puts half (draft) or 5% (verify) of its cost per token. Before each
+T(k) = d0 + d1·k + V(k) + o: the draft line is fitted to the measured draft_ms of past blocks
+against their drafted length (`CostLine`), so d0 holds the drafter call's per-block cost (RPC, the
+first step's prefill) and d1 one drafter step; V(k) = v0 + v1·k + r_k, the verify line plus a
+per-length residual, because a verifier's cost need not be a line in k (SteerSpec's on a CPU: about
+flat for 1–2 drafts, 15–20 ms more from 3, where its out-major weight copies stop; a straight line
+priced the longer blocks too cheaply: 0.95× the best fixed k at RTT 50); o is the EWMA of queue +
+network + overhead ms per block (everything else a block waits for, whatever its length). Priors:
+d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a line measured at one length only puts half (draft) or
+5% (verify) of its cost per token. Before each
 block k = argmax E(k)/T(k) over 1..max, with R that best rate.
 
 Inside the block, after draft i with top drafter probability c, the survival becomes
 s_i = s_{i-1}·clip(a_i·f(c)), f(c) the observed ÷ predicted acceptance of judged drafts in c's
 quarter of [0, 1] (EWMA; 1 until such drafts were judged), so c counts only as far as it has
 predicted acceptance. j more drafts add Σ_{m=1..j} s_i·a_{i+1}···a_{i+m} expected committed tokens
-for j·(d1 + v1) ms; the block stops when no j earns more than the long-run rate R would in that
-time (look-ahead: the per-position acceptance often rises along the block, so a one-step test
+for j·d1 + V(i+j) − V(i) ms; the block stops when no j earns more than the long-run rate R would
+in that time (look-ahead: the per-position acceptance often rises along the block, so a one-step test
 stopped blocks that two more drafts would have paid for: 0.95× no stop in process, one run). o
 is no part of a draft's marginal cost: a large o keeps drafting.
 
@@ -82,7 +85,7 @@ class LatencyAware(PolicyBase):
         """Back to the priors."""
         self.accept: List[float] = [self.a0] * self.max_k
         self.draft = CostLine(self.max_k, self.beta, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
-        self.verify = CostLine(self.max_k, self.beta, prior=(1.0, 0.0), prior_share=0.05)
+        self.verify = CostLine(self.max_k, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
         self.overhead_ms = 0.0
         self.hits = [self.a0] * BINS       # EWMA of judged drafts' acceptance, per confidence bin
         self.predicted = [self.a0] * BINS  # EWMA of a_i predicted for the same drafts
@@ -155,12 +158,14 @@ class LatencyAware(PolicyBase):
             return False
         # look ahead: go on while drafting some j more earns more than the long-run rate would in
         # their time (positions further on are often likelier to pass than the next one)
-        price = self._rate * max(self.draft.c1 + self.verify.c1, 1e-6)
+        drafted, step = i + 1, max(self.draft.c1, 1e-6)
+        base = self.verify(drafted)
         survival, value = self._survival, 0.0
-        for j in range(i + 1, self.max_k):
+        for j in range(drafted, self.max_k):
             survival *= self.accept[j]
-            value += survival - price
-            if value > 0:
+            value += survival
+            extra_ms = (j + 1 - drafted) * step + max(0.0, self.verify(j + 1) - base)
+            if value > self._rate * extra_ms:
                 return False
         return True
 

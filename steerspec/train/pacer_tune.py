@@ -4,8 +4,8 @@ Pacer's paper tunes its block size b, threshold t and growth ρ per setting (its
 held-out training-split prompts (the head never saw them) are replayed offline. For each
 candidate, Pacer's stop rule runs on the head's predicted acceptances of a block's drafts, giving a
 stop length n; the block then commits min(L, n) + 1 tokens (L = the drafts the verifier accepted)
-and costs n·d + ⌈n/b⌉·r + v0 + v1·(n + 1) + rtt ms, with d (a draft step of the real draft loop),
-r (one pass of the Pacer layer), v0 and v1 measured on the pair. `tune` pools independent blocks,
+and costs n·d + ⌈n/b⌉·r + V(n + 1) + rtt ms, with d (a draft step of the real draft loop), r (one
+pass of the Pacer layer) and V (a verify pass, per token count) measured on the pair. `tune` pools independent blocks,
 or, given `chains`, replays greedy decoding itself: with a block labelled at *every* answer
 position, each prompt's blocks are chained as decoding chains them (the next block starts where the
 last one's committed tokens end), so the blocks scored are the ones decoding meets, not a uniform
@@ -31,18 +31,33 @@ RHO_GRID = (1.0, 1.05, 1.1, 1.2)
 @dataclass(frozen=True)
 class BlockCost:
     """Milliseconds of one block: `draft_ms` per draft, `round_ms` per pass of a stop head over a round
-    of b drafts, verify `v0 + v1·tokens`, plus a fixed `rtt_ms`."""
+    of b drafts, the verify pass of n + 1 tokens, plus a fixed `rtt_ms`. The verify pass costs
+    `verify_ms[tokens - 1]` where measured (a verifier's cost need not be a line: SteerSpec's on a CPU is
+    about flat for 1–3 tokens, where its out-major weight copies serve, and a step dearer from 4), else
+    `v0 + v1·tokens`, shifted to meet the last measured length."""
 
     draft_ms: float
     v0: float
     v1: float
     rtt_ms: float = 0.0
     round_ms: float = 0.0
+    verify_ms: Tuple[float, ...] = ()
+
+    def verify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Modelled ms of verify passes of `tokens` tokens (elementwise)."""
+        line = self.v0 + self.v1 * tokens
+        if not self.verify_ms:
+            return line
+        table = torch.tensor(self.verify_ms, dtype=torch.float32)
+        measured = len(self.verify_ms)
+        index = tokens.long().clamp(1, measured) - 1
+        beyond = table[-1] + self.v1 * (tokens - measured)
+        return torch.where(tokens <= measured, table[index], beyond)
 
     def block_ms(self, n: torch.Tensor, b: int = 0) -> torch.Tensor:
         """b = 0: no stop head runs (fixed k)."""
         rounds = torch.div(n + b - 1, b, rounding_mode="floor") if b else 0
-        return n * self.draft_ms + rounds * self.round_ms + self.v0 + self.v1 * (n + 1) + self.rtt_ms
+        return n * self.draft_ms + rounds * self.round_ms + self.verify(n + 1) + self.rtt_ms
 
 
 def stop_lengths(acceptance: torch.Tensor, b: int, t: float, rho: float, cap: int) -> torch.Tensor:
@@ -150,10 +165,11 @@ def _median_ms(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
-                  stop_head: Optional[Callable[[], object]] = None) -> BlockCost:
-    """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), verify passes
-    of 1 and 9 tokens after `prompt` (CachedLMs), and one call of `stop_head` (a policy's head) if given;
-    no network (add one per RTT with `dataclasses.replace(cost, rtt_ms=...)`)."""
+                  stop_head: Optional[Callable[[], object]] = None, tokens: int = 9) -> BlockCost:
+    """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), a verify pass of
+    every 1..`tokens` tokens after `prompt` (CachedLMs; v0 + v1·t from the 1- and `tokens`-token
+    passes), and one call of `stop_head` (a policy's head) if given; no network (add one per RTT with
+    `dataclasses.replace(cost, rtt_ms=...)`)."""
     from steerspec.engine import draft_block
     from steerspec.rounds import DecodeConfig
 
@@ -176,10 +192,13 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
         drafter.rollback(n - 1)
         draft_block(drafter, prompt, 8, config)
 
-    step(verifier, 9)()  # warm-up
+    tokens = max(2, int(tokens))
+    for count in (2, 3, tokens):  # warm-up (each layout's plans)
+        step(verifier, count)()
     block()
     draft_ms = _median_ms(block, repeats) / 8
-    one, nine = _median_ms(step(verifier, 1), repeats), _median_ms(step(verifier, 9), repeats)
-    v1 = max(0.0, (nine - one) / 8)
+    verify_ms = tuple(_median_ms(step(verifier, count), repeats) for count in range(1, tokens + 1))
+    v1 = max(0.0, (verify_ms[-1] - verify_ms[0]) / (tokens - 1))
     round_ms = _median_ms(stop_head, 3 * repeats) if stop_head is not None else 0.0
-    return BlockCost(draft_ms=draft_ms, v0=max(0.0, one - v1), v1=v1, round_ms=round_ms)
+    return BlockCost(draft_ms=draft_ms, v0=max(0.0, verify_ms[0] - v1), v1=v1, round_ms=round_ms,
+                     verify_ms=verify_ms)

@@ -47,11 +47,19 @@ Command: `{command}`
 TUNED_CARD = """Tuned (the policy's defaults for this head): b={b}, t={t}, rho={rho}, chosen by replaying greedy decoding
 of the {tune_prompts} held-out prompts (blocks labelled at every answer position and chained as decoding chains
 them; {blocks} blocks visited) under the measured block cost (draft {draft_ms:.2f} ms per token in the draft loop,
-Pacer layer {round_ms:.2f} ms per round, verify {v0:.1f} + {v1:.2f}·tokens ms, plus the network RTT), for the
+Pacer layer {round_ms:.2f} ms per round, a verify pass of {verify_text}, plus the network RTT), for the
 best worst-case gain over the best fixed k across RTTs; {mean_drafts:.2f} drafts per block. Modelled:
 {rtt_lines}
 """
 RTT_LINE = "- RTT {rtt_ms:g} ms: {tokens_per_s:.2f} tokens/s, {gain:.3f}x the best fixed k ({best_fixed_k}, {best_fixed_tokens_per_s:.2f})"
+
+
+def _verify_text(tuned: Dict) -> str:
+    """The verify cost the tuning used: per token count where measured, else the line."""
+    table = tuned.get("verify_ms") or []
+    if not table:
+        return f"{tuned['v0']:.1f} + {tuned['v1']:.2f}·tokens ms"
+    return f"1..{len(table)} tokens {', '.join(f'{ms:.1f}' for ms in table)} ms"
 
 
 def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str, float]]:
@@ -76,12 +84,14 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
             layer(ctx, drafts, torch.arange(4))
 
     probe = list(range(100, 164))  # a 64-token context: the cost of a step, not of any particular text
-    cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, stop_head=one_round)
+    cost = measure_costs(cached_lm(verifier), cached_lm(drafter), probe, stop_head=one_round,
+                         tokens=args.gamma + 1)
     costs = [replace(cost, rtt_ms=rtt) for rtt in args.tune_rtts]
     result = tune(acceptance, accepted, costs, cap=args.gamma, chains=chains)
     return {**result, "tune_prompts": len(chains),
             "draft_ms": round(cost.draft_ms, 3), "round_ms": round(cost.round_ms, 3), "v0": round(cost.v0, 3),
-            "v1": round(cost.v1, 3), "rtts_ms": list(args.tune_rtts)}
+            "v1": round(cost.v1, 3), "verify_ms": [round(ms, 2) for ms in cost.verify_ms],
+            "rtts_ms": list(args.tune_rtts)}
 
 
 def trajectory_blocks(verifier, drafter, prompts: List[List[int]], held: List[int], key: Dict, args, work: Path,
@@ -375,7 +385,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> int:
                              epochs=args.epochs, lr=args.lr, batch=args.batch_size, seed=args.seed,
                              positive="rejected" if kind == "specdecpp" else "accepted", command=command, **metrics)
     if tuned:
-        card += TUNED_CARD.format(**tuned, rtt_lines="\n".join(RTT_LINE.format(**r) for r in tuned["per_rtt"]))
+        card += TUNED_CARD.format(**tuned, verify_text=_verify_text(tuned),
+                                  rtt_lines="\n".join(RTT_LINE.format(**r) for r in tuned["per_rtt"]))
     card += STEERED_NOTE if steered else ""
     out.with_name(f"{kind}_MODEL_CARD.md").write_text(card)
     print(json.dumps({"out": str(out), "heldout": metrics, "params": params, "losses": meta["losses"],
