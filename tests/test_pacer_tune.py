@@ -104,3 +104,11 @@ def test_the_model_card_states_the_verify_costs_the_tuning_used():
 
     assert _verify_text({"v0": 25.06, "v1": 3.624}) == "25.1 + 3.62·tokens ms"
     assert _verify_text({"v0": 1.0, "v1": 2.0, "verify_ms": [40.04, 40.5, 58.0]}) == "1..3 tokens 40.0, 40.5, 58.0 ms"
+
+
+def test_measured_verify_costs_are_made_non_decreasing_by_pooling_violators():
+    from steerspec.train.pacer_tune import nondecreasing
+
+    assert nondecreasing([49.0, 69.0, 64.0, 79.0]) == pytest.approx([49.0, 66.5, 66.5, 79.0])
+    assert nondecreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert nondecreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]

@@ -154,6 +154,19 @@ def tune(acceptance: torch.Tensor, accepted: torch.Tensor, cost: Union[BlockCost
             "per_rtt": per_cost, "replay": "decoding" if chains is not None else "blocks"}
 
 
+def nondecreasing(values: Sequence[float]) -> List[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): a longer verify pass never costs
+    less, so a count measured below a shorter one is host noise, averaged with its neighbours."""
+    blocks: List[List[float]] = []  # [sum, count] of pooled runs
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 def _median_ms(fn, repeats: int) -> float:
     times: List[float] = []
     for _ in range(repeats):
@@ -167,8 +180,8 @@ def _median_ms(fn, repeats: int) -> float:
 def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
                   stop_head: Optional[Callable[[], object]] = None, tokens: int = 9) -> BlockCost:
     """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), a verify pass of
-    every 1..`tokens` tokens after `prompt` (CachedLMs; v0 + v1·t from the 1- and `tokens`-token
-    passes), and one call of `stop_head` (a policy's head) if given; no network (add one per RTT with
+    every 1..`tokens` tokens after `prompt` (CachedLMs; the counts interleaved, then made non-decreasing;
+    v0 + v1·t through the 1- and `tokens`-token passes), and one call of `stop_head` (a policy's head) if given; no network (add one per RTT with
     `dataclasses.replace(cost, rtt_ms=...)`)."""
     from steerspec.engine import draft_block
     from steerspec.rounds import DecodeConfig
@@ -197,7 +210,12 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
         step(verifier, count)()
     block()
     draft_ms = _median_ms(block, repeats) / 8
-    verify_ms = tuple(_median_ms(step(verifier, count), repeats) for count in range(1, tokens + 1))
+    passes = [step(verifier, count) for count in range(1, tokens + 1)]
+    times: List[List[float]] = [[] for _ in passes]
+    for _ in range(repeats):  # interleaved, so a drift of the host's speed reaches every count alike
+        for run, into in zip(passes, times):
+            into.append(_median_ms(run, 1))
+    verify_ms = tuple(nondecreasing([statistics.median(t) for t in times]))
     v1 = max(0.0, (verify_ms[-1] - verify_ms[0]) / (tokens - 1))
     round_ms = _median_ms(stop_head, 3 * repeats) if stop_head is not None else 0.0
     return BlockCost(draft_ms=draft_ms, v0=max(0.0, verify_ms[0] - v1), v1=v1, round_ms=round_ms,
