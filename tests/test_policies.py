@@ -354,3 +354,34 @@ def test_cost_line_slope_is_not_fooled_by_host_drift():
     assert 5.0 < line.c1 < 7.5 + 0.25
     assert line(1) == pytest.approx(65.0 * 1.5, rel=0.05)
 
+
+
+def test_cost_line_table_equals_the_model_at_every_length():
+    """`table()` (what `latency` caches per block) is the model itself at every length, residuals or not."""
+    from steerspec.policies.costline import CostLine
+
+    for residuals in (True, False):
+        line = CostLine(12, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=residuals)
+        assert line.table() == [line(k) for k in range(1, 13)]
+        for k, ms in ((2, 47.0), (7, 90.0), (4, 70.0), (2, 48.0), (9, 95.0)):
+            line.add(k, ms)
+            assert line.table() == pytest.approx([line(k) for k in range(1, 13)])
+
+
+def test_latency_acceptance_prior_fades_within_a_few_judgments():
+    """a0 weighs as two judgments: three rejections of the first draft bring a_1 to 0.7·2/5, where a
+    plain EWMA at beta 0.05 would still say 0.6; later the estimate is the EWMA (weight beta)."""
+    policy = make_policy("latency:max=8")
+    for _ in range(3):
+        policy.next_k()
+        policy.update(BlockFeedback(accepted=0, drafted=2, draft_ms=2.0, verify_ms=40.0))
+    assert policy.accept[0] == pytest.approx(0.7 * 2 / 5)
+    assert policy.accept[1] == pytest.approx(0.7)  # never judged
+    for _ in range(40):
+        policy.update(BlockFeedback(accepted=2, drafted=2, draft_ms=2.0, verify_ms=40.0))
+    before = policy.accept[0]
+    policy.update(BlockFeedback(accepted=0, drafted=2, draft_ms=2.0, verify_ms=40.0))
+    assert policy.accept[0] == pytest.approx(0.95 * before)
+    restored = make_policy("latency:max=8")
+    restored.load_state_dict(policy.state_dict())
+    assert restored.judged == policy.judged and restored.accept == policy.accept

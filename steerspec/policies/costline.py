@@ -114,6 +114,19 @@ class CostLine:
         """The modelled cost of k tokens (never below 0)."""
         return max(0.0, self.line(k) + self.off_line(k))
 
+    def table(self) -> List[float]:
+        """The modelled cost of every length 1..max_k, in one pass (what a policy reads per draft)."""
+        measured = self.lengths() if self.residuals else []
+        costs, m = [], 0
+        for k in range(1, self.max_k + 1):
+            off = 0.0
+            if measured:  # the nearest measured length, the lower on a tie
+                while m + 1 < len(measured) and abs(measured[m + 1] - k) < abs(measured[m] - k):
+                    m += 1
+                off = self.residual[measured[m] - 1]
+            costs.append(max(0.0, self.line(k) + off))
+        return costs
+
     def state_dict(self) -> Dict[str, Any]:
         return {"weight": list(self.weight), "mean": list(self.mean), "c": [self.c0, self.c1],
                 "pairs": list(self.pairs), "last": list(self.last), "residual": list(self.residual)}

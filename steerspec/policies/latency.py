@@ -1,8 +1,11 @@
 """SteerSpec's latency-aware policy for the remote regime: k maximising committed tokens per second.
 
 Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j} a_i,
-with a_i the probability that draft i is accepted given drafts 1..i-1 were (EWMA per position over
-the positions the verifier judged, prior a0, clipped to [0.01, 0.99]). Expected time
+with a_i the probability that draft i is accepted given drafts 1..i-1 were (per position over the
+positions the verifier judged, clipped to [0.01, 0.99]: the prior a0 counts as two judgments and the
+estimate is their running mean until its weight falls to beta, an EWMA from then on; a plain EWMA
+from a0 took ~20 blocks to forget the prior, and the first blocks on the real pair drafted 4 where
+2 was best). Expected time
 T(k) = d0 + d1·k + V(k) + o: the draft line is fitted to the measured draft_ms of past blocks
 against their drafted length (`CostLine`), so d0 holds the drafter call's per-block cost (RPC, the
 first step's prefill) and d1 one drafter step; V(k) = v0 + v1·k + r_k, the verify line plus a
@@ -50,6 +53,7 @@ EXPLORE_BLOCKS = 4
 BINS = 4  # confidence quarters for f(c)
 STALE = 0.01  # a length whose cost-line weight fell below this (~90 blocks at beta 0.05) is stale
 CLIP = (0.01, 0.99)
+PRIOR_COUNT = 2.0  # the prior a0 weighs as this many judgments
 
 
 def _clip(a: float) -> float:
@@ -84,12 +88,14 @@ class LatencyAware(PolicyBase):
     def forget(self) -> None:
         """Back to the priors."""
         self.accept: List[float] = [self.a0] * self.max_k
+        self.judged: List[float] = [0.0] * self.max_k  # judgments seen per position (for the prior's fade)
         self.draft = CostLine(self.max_k, self.beta, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
         self.verify = CostLine(self.max_k, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
         self.overhead_ms = 0.0
         self.hits = [self.a0] * BINS       # EWMA of judged drafts' acceptance, per confidence bin
         self.predicted = [self.a0] * BINS  # EWMA of a_i predicted for the same drafts
         self.seen = 0
+        self._tabulate()
         self._block()
 
     def _block(self, rate: float = 0.0, exploring: bool = True) -> None:
@@ -104,8 +110,13 @@ class LatencyAware(PolicyBase):
             total += survival
         return total
 
+    def _tabulate(self) -> None:
+        """Cache the modelled draft and verify ms of every length: they change only with feedback, and
+        the stop reads them after every draft."""
+        self._draft_ms, self._verify_ms = self.draft.table(), self.verify.table()
+
     def block_ms(self, k: int) -> float:
-        return self.draft(k) + self.verify(k) + self.overhead_ms
+        return self._draft_ms[k - 1] + self._verify_ms[k - 1] + self.overhead_ms
 
     def rate(self, k: int) -> float:
         return self.expected_tokens(k) / max(self.block_ms(k), 1e-6)
@@ -158,13 +169,13 @@ class LatencyAware(PolicyBase):
             return False
         # look ahead: go on while drafting some j more earns more than the long-run rate would in
         # their time (positions further on are often likelier to pass than the next one)
-        drafted, step = i + 1, max(self.draft.c1, 1e-6)
-        base = self.verify(drafted)
+        drafted, step, verify_ms = i + 1, max(self.draft.c1, 1e-6), self._verify_ms
+        base = verify_ms[i]
         survival, value = self._survival, 0.0
         for j in range(drafted, self.max_k):
             survival *= self.accept[j]
             value += survival
-            extra_ms = (j + 1 - drafted) * step + max(0.0, self.verify(j + 1) - base)
+            extra_ms = (j + 1 - drafted) * step + max(0.0, verify_ms[j] - base)
             if value > self._rate * extra_ms:
                 return False
         return True
@@ -180,10 +191,13 @@ class LatencyAware(PolicyBase):
                 j = self._bins[i]
                 self.hits[j] = (1 - b) * self.hits[j] + b * hit
                 self.predicted[j] = (1 - b) * self.predicted[j] + b * self.accept[i]
-            self.accept[i] = _clip((1 - b) * self.accept[i] + b * hit)
+            w = max(b, 1.0 / (self.judged[i] + PRIOR_COUNT + 1.0))  # a running mean until the EWMA takes over
+            self.accept[i] = _clip((1 - w) * self.accept[i] + w * hit)
+            self.judged[i] += 1.0
         self._bins = {}
         self.draft.add(drafted, feedback.draft_ms)
         self.verify.add(drafted, feedback.verify_ms)
+        self._tabulate()
         overhead = feedback.queue_ms + feedback.network_ms + feedback.overhead_ms
         self.overhead_ms = (1 - b) * self.overhead_ms + b * overhead if self.seen else overhead
         self.seen += 1
@@ -198,7 +212,7 @@ class LatencyAware(PolicyBase):
     def state_dict(self) -> Dict[str, Any]:
         return {"accept": list(self.accept), "draft": self.draft.state_dict(), "verify": self.verify.state_dict(),
                 "overhead_ms": self.overhead_ms, "hits": list(self.hits), "predicted": list(self.predicted),
-                "seen": self.seen}
+                "seen": self.seen, "judged": list(self.judged)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         accept = [float(a) for a in state["accept"]]
@@ -209,6 +223,10 @@ class LatencyAware(PolicyBase):
             raise ValueError(f"state has {len(hits)} confidence bins, policy has {BINS}")
         self.draft.load_state_dict(state["draft"])
         self.verify.load_state_dict(state["verify"])
-        self.accept, self.hits, self.predicted = accept, hits, predicted
+        judged = [float(n) for n in state.get("judged", [1.0 / self.beta] * self.max_k)]  # older states: settled
+        if len(judged) != self.max_k:
+            raise ValueError(f"state has {len(judged)} judged counts, policy has max={self.max_k}")
+        self.accept, self.hits, self.predicted, self.judged = accept, hits, predicted, judged
         self.overhead_ms = float(state["overhead_ms"])
         self.seen = int(state["seen"])
+        self._tabulate()
