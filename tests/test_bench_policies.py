@@ -32,6 +32,9 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
         tuned = json.loads(handle.metadata()["meta"])["tuned"]
     assert tuned["b"] in B_GRID and 0 < tuned["t"] < 1 and tuned["blocks"] >= 1 and tuned["draft_ms"] > 0
     assert tuned["replay"] == "decoding" and tuned["round_ms"] > 0 and tuned["tune_prompts"] == 1  # 15% of 6
+    table = tuned["verify_ms"]  # a verify pass per token count up to gamma + 1, never cheaper when longer
+    assert len(table) == 7 and all(0 < a <= b for a, b in zip(table, table[1:]))
+    assert "a verify pass of 1..7 tokens" in (tmp_path / "pacer_MODEL_CARD.md").read_text()
     assert (tmp_path / "work" / "trajectory.pt").is_file()
     assert "Tuned (the policy's defaults" in (tmp_path / "pacer_MODEL_CARD.md").read_text()
     pacer = make_policy(f"pacer:head={heads['pacer']}", PolicyContext())
