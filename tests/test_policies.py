@@ -289,7 +289,8 @@ def test_latency_policy_models_a_stepped_verify_cost():
 
 def test_cost_line_residuals_price_a_step_and_an_unmeasured_length_like_its_neighbour():
     """Residuals make the model exact at measured lengths of a stepped cost; an unmeasured length takes
-    its nearest measured neighbour's residual (the lower on a tie); a saved state restores them."""
+    its nearest measured neighbour's residual (the lower on a tie); a saved state restores them; a
+    length measured cheap long ago is never priced below a shorter one."""
     from steerspec.policies.costline import CostLine
 
     line = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
@@ -302,6 +303,13 @@ def test_cost_line_residuals_price_a_step_and_an_unmeasured_length_like_its_neig
     again = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
     again.load_state_dict(line.state_dict())
     assert [again(k) for k in range(1, 9)] == [line(k) for k in range(1, 9)]
+    stale = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
+    for k, ms in ((1, 45.0), (4, 40.0)) + ((2, 50.0), (3, 52.0)) * 10:  # 4 measured once, cheap, long ago
+        stale.add(k, ms)
+    table = stale.table()
+    assert stale.line(4) + stale.residual[3] < table[2] - 2.0  # the raw model would price 4 below 3
+    assert table[3] == table[2] == pytest.approx(52.0, rel=0.05)  # never cheaper than a shorter pass
+    assert all(a <= b for a, b in zip(table, table[1:])) and [stale(k) for k in range(1, 9)] == table
     plain = CostLine(8, 0.05, prior=(1.0, 0.0), prior_share=0.05)
     for t in range(90):
         plain.add((1, 2, 3)[t % 3], cost[(1, 2, 3)[t % 3]])

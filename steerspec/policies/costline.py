@@ -22,7 +22,8 @@ With `residuals`, a cost that is not a line (a verifier whose 1–3-token passes
 line plus a per-length residual: each observation's distance from the line refitted with it, averaged
 with the same decaying weights as the per-length means (a length not measured for a while takes a
 fresh observation almost whole). A length never measured takes the residual of the nearest measured
-one (the lower on a tie), so a step seen at 3 also prices 4 and 5. Residuals are relative to the
+one (the lower on a tie), so a step seen at 3 also prices 4 and 5, and the modelled costs are a
+running maximum over the lengths (a longer pass never costs less). Residuals are relative to the
 line, which follows the host's drift, so they survive it.
 """
 
@@ -99,32 +100,26 @@ class CostLine:
         """c0 + c1·k."""
         return self.c0 + self.c1 * k
 
-    def off_line(self, k: int) -> float:
-        """The residual at k: its own if k was measured, else the nearest measured length's; 0 without
-        residuals or before any measurement."""
-        if not self.residuals:
-            return 0.0
-        measured = self.lengths()
-        if not measured:
-            return 0.0
-        nearest = min(measured, key=lambda m: (abs(m - k), m))
-        return self.residual[nearest - 1]
-
     def __call__(self, k: int) -> float:
-        """The modelled cost of k tokens (never below 0)."""
-        return max(0.0, self.line(k) + self.off_line(k))
+        """The modelled cost of k tokens (never below 0, never below a shorter length's)."""
+        if not self.residuals:
+            return max(0.0, self.line(k))
+        return self.table()[k - 1]
 
     def table(self) -> List[float]:
-        """The modelled cost of every length 1..max_k, in one pass (what a policy reads per draft)."""
+        """The modelled cost of every length 1..max_k, in one pass (what a policy reads per draft). With
+        residuals it is made non-decreasing (a running maximum): a longer pass never costs less, and a
+        residual measured long ago against another line must not make an unmeasured length look cheap."""
         measured = self.lengths() if self.residuals else []
-        costs, m = [], 0
+        costs, m, floor = [], 0, 0.0
         for k in range(1, self.max_k + 1):
             off = 0.0
             if measured:  # the nearest measured length, the lower on a tie
                 while m + 1 < len(measured) and abs(measured[m + 1] - k) < abs(measured[m] - k):
                     m += 1
                 off = self.residual[measured[m] - 1]
-            costs.append(max(0.0, self.line(k) + off))
+            floor = max(floor, self.line(k) + off)
+            costs.append(floor)
         return costs
 
     def state_dict(self) -> Dict[str, Any]:
