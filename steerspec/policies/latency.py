@@ -1,20 +1,19 @@
 """SteerSpec's latency-aware policy for the remote regime: k maximising committed tokens per second.
 
-Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j} a_i,
-with a_i the probability that draft i is accepted given drafts 1..i-1 were (per position over the
-positions the verifier judged, clipped to [0.01, 0.99]: the prior a0 counts as two judgments and the
-estimate is their running mean until its weight falls to beta, an EWMA from then on; a plain EWMA
-from a0 took ~20 blocks to forget the prior, and the first blocks on the real pair drafted 4 where
-2 was best). Expected time
-T(k) = d0 + d1·k + V(k) + o: the draft line is fitted to the measured draft_ms of past blocks
-against their drafted length (`CostLine`), so d0 holds the drafter call's per-block cost (RPC, the
-first step's prefill) and d1 one drafter step; V(k) = v0 + v1·k + r_k, the verify line plus a
-per-length residual, because a verifier's cost need not be a line in k (SteerSpec's on a CPU: about
-flat for 1–2 drafts, 15–20 ms more from 3, where its out-major weight copies stop; a straight line
-priced the longer blocks too cheaply: 0.95× the best fixed k at RTT 50); o is the EWMA of queue +
-network + overhead ms per block (everything else a block waits for, whatever its length). Priors:
-d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a line measured at one length only puts half (draft) or
-5% (verify) of its cost per token. Before each
+Model of a block of k drafts. Expected committed tokens E(k) = 1 + Σ_{j=1..k} s_j, s_j = Π_{i≤j}
+a_i, with a_i the probability that draft i is accepted given drafts 1..i-1 were (per position over
+the positions the verifier judged, clipped to [0.01, 0.99]: the prior a0 counts as two judgments and
+the estimate is their running mean until its weight falls to beta, an EWMA from then on; a plain
+EWMA from a0 took ~20 blocks to forget the prior, and the first blocks on the real pair drafted 4
+where 2 was best). Expected time T(k) = d0 + d1·k + V(k) + o: the draft line is fitted to the
+measured draft_ms of past blocks against their drafted length (`CostLine`), so d0 holds the drafter
+call's per-block cost (RPC, the first step's prefill) and d1 one drafter step; V(k) = v0 + v1·k +
+r_k, the verify line plus a per-length residual, made non-decreasing in k, because a verifier's cost
+need not be a line in k (SteerSpec's on a CPU: about flat for 1–2 drafts, 15–20 ms more from 3,
+where its out-major weight copies stop; a straight line priced the longer blocks too cheaply: 0.95×
+the best fixed k at RTT 50); o is the EWMA of queue + network + overhead ms per block (everything
+else a block waits for, whatever its length). Priors: d0 + d1·k = k ms, v0 + v1·k = 1 ms, o = 0; a
+line measured at one length only puts half (draft) or 5% (verify) of its cost per token. Before each
 block k = argmax E(k)/T(k) over 1..max, with R that best rate.
 
 Inside the block, after draft i with top drafter probability c, the survival becomes

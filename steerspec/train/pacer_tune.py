@@ -5,8 +5,8 @@ held-out training-split prompts (the head never saw them) are replayed offline. 
 candidate, Pacer's stop rule runs on the head's predicted acceptances of a block's drafts, giving a
 stop length n; the block then commits min(L, n) + 1 tokens (L = the drafts the verifier accepted)
 and costs n·d + ⌈n/b⌉·r + V(n + 1) + rtt ms, with d (a draft step of the real draft loop), r (one
-pass of the Pacer layer) and V (a verify pass, per token count) measured on the pair. `tune` pools independent blocks,
-or, given `chains`, replays greedy decoding itself: with a block labelled at *every* answer
+pass of the Pacer layer) and V (a verify pass, per token count) measured on the pair. `tune` pools
+independent blocks, or, given `chains`, replays greedy decoding itself: with a block labelled at *every* answer
 position, each prompt's blocks are chained as decoding chains them (the next block starts where the
 last one's committed tokens end), so the blocks scored are the ones decoding meets, not a uniform
 sample of positions. Fixed k is replayed the same way; the candidate whose worst gain over the best
