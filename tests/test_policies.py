@@ -393,3 +393,22 @@ def test_latency_acceptance_prior_fades_within_a_few_judgments():
     restored = make_policy("latency:max=8")
     restored.load_state_dict(policy.state_dict())
     assert restored.judged == policy.judged and restored.accept == policy.accept
+
+
+def test_latency_state_from_before_residuals_still_loads_and_json_round_trips():
+    """A checkpoint written before per-length residuals and judged counts (a drafter restored after an
+    upgrade) loads as settled estimates with zero residuals; today's state survives JSON."""
+    import json
+
+    policy = make_policy("latency:max=8")
+    _drive(policy, 30, 0.6, lambda k: 3.0 * k, _stepped_verify, 5.0)
+    state = json.loads(json.dumps(policy.state_dict()))
+    again = make_policy("latency:max=8")
+    again.load_state_dict(state)
+    assert again.state_dict() == policy.state_dict() and again.next_k() == policy.next_k()
+    old = {key: value for key, value in state.items() if key != "judged"}
+    old["verify"] = {key: value for key, value in state["verify"].items() if key != "residual"}
+    older = make_policy("latency:max=8")
+    older.load_state_dict(old)
+    assert older.judged == [20.0] * 8 and older.verify.residual == [0.0] * 8
+    assert older.verify.table() == [max(older.verify.line(k) for k in range(1, j + 1)) for j in range(1, 9)]
