@@ -45,9 +45,8 @@ class BlockCost:
 
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """Modelled ms of verify passes of `tokens` tokens (elementwise)."""
-        line = self.v0 + self.v1 * tokens
         if not self.verify_ms:
-            return line
+            return self.v0 + self.v1 * tokens
         table = torch.tensor(self.verify_ms, dtype=torch.float32)
         measured = len(self.verify_ms)
         index = tokens.long().clamp(1, measured) - 1
@@ -167,22 +166,24 @@ def nondecreasing(values: Sequence[float]) -> List[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
+def _ms(fn) -> float:
+    """Milliseconds of one call of `fn`."""
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
 def _median_ms(fn, repeats: int) -> float:
-    times: List[float] = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return statistics.median(_ms(fn) for _ in range(repeats))
 
 
 @torch.inference_mode()
 def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
                   stop_head: Optional[Callable[[], object]] = None, tokens: int = 9) -> BlockCost:
-    """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), a verify pass of
-    every 1..`tokens` tokens after `prompt` (CachedLMs; the counts interleaved, then made non-decreasing;
-    v0 + v1·t through the 1- and `tokens`-token passes), and one call of `stop_head` (a policy's head) if given; no network (add one per RTT with
-    `dataclasses.replace(cost, rtt_ms=...)`)."""
+    """Median ms of a draft step in the real draft loop (a greedy block of 8, per draft), a verify pass
+    of every 1..`tokens` tokens after `prompt` (CachedLMs; the counts interleaved, then made
+    non-decreasing; v0 + v1·t through the 1- and `tokens`-token passes), and one call of `stop_head` (a
+    policy's head) if given; no network (add one per RTT with `dataclasses.replace(cost, rtt_ms=...)`)."""
     from steerspec.engine import draft_block
     from steerspec.rounds import DecodeConfig
 
@@ -214,7 +215,7 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
     times: List[List[float]] = [[] for _ in passes]
     for _ in range(repeats):  # interleaved, so a drift of the host's speed reaches every count alike
         for run, into in zip(passes, times):
-            into.append(_median_ms(run, 1))
+            into.append(_ms(run))
     verify_ms = tuple(nondecreasing([statistics.median(t) for t in times]))
     v1 = max(0.0, (verify_ms[-1] - verify_ms[0]) / (tokens - 1))
     round_ms = _median_ms(stop_head, 3 * repeats) if stop_head is not None else 0.0
