@@ -115,10 +115,9 @@ def run(args: argparse.Namespace) -> int:
 
     steering = maybe_steering_weights(drafter, resolve_model_dir(args.drafter), device=drafter.device)
 
-    def speculative(k: int, v=None, d=None) -> Callable:
+    def speculative(k: int, v=v_lm, d=d_lm) -> Callable:
         """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that
         transformers' assisted generation below runs the same drafter unsteered, with no stale g)."""
-        v, d = (v_lm, d_lm) if v is None else (v, d)
 
         def generate(ids):
             if steering is None:
