@@ -164,3 +164,26 @@ def test_policies_are_compared_with_the_best_fixed_k_prompt_by_prompt():
     assert versus["prompts"] == 3 and versus["mean"] == pytest.approx((1.1 + 0.9 + 1.0) / 3, abs=1e-4)
     assert versus["sd"] == pytest.approx(0.1, abs=1e-4) and versus["se"] == pytest.approx(0.1 / 3 ** 0.5, abs=1e-4)
     assert paired([1.0], [2.0]) is None and paired([1.0, None], [2.0, 2.0]) is None
+
+
+def test_bench_policies_resume_keeps_measured_regimes_and_refuses_other_settings(tmp_path, capsys):
+    """`--resume` measures only the regimes --out lacks (the kept rows are byte-for-byte the earlier
+    ones, the new regime is added, the tables cover both) and refuses a report made with other flags."""
+    out = tmp_path / "grid.json"
+    flags = ["bench", "policies", "--quick", "--verifier", "verifier", "--drafter", "pretrained", "--policies", "fixed",
+             "--initial-k", "2", "--sets", "indist", "--temperatures", "0", "--prompts", "1", "--max-new-tokens", "8",
+             "--out", str(out)]
+    assert main([*flags, "--rtt-ms", "0"]) == 0
+    first = json.loads(out.read_text())
+    assert {r["regime"] for r in first["rows"]} == {"inprocess", "rtt0"}
+    assert main([*flags, "--rtt-ms", "0,20", "--resume"]) == 0
+    second = json.loads(out.read_text())
+    assert second["rows"][: len(first["rows"])] == first["rows"]
+    assert {r["regime"] for r in second["rows"][len(first["rows"]):]} == {"rtt20"}
+    assert {r["regime"] for r in second["gammatune_table"]} == {"inprocess", "rtt0", "rtt20"}
+    assert second["elapsed_s"] > first["elapsed_s"]
+    capsys.readouterr()
+    assert main([*flags[:-4], "--prompts", "2", "--max-new-tokens", "8", "--out", str(out), "--resume"]) == 2
+    assert "other settings (prompts)" in capsys.readouterr().err
+    assert main([*flags[:-2], "--resume"]) == 2  # no --out to continue
+    assert json.loads(out.read_text()) == second  # a refused resume leaves the report alone

@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process regime")
     parser.add_argument("--quick", action="store_true",
                         help="minutes: 4 prompts x 32 tokens, indist, initial k 2,6,12, T=0, RTT 0,50")
-    parser.add_argument("--out", default=None, help="JSON report path")
+    parser.add_argument("--out", default=None, help="JSON report path (rewritten after every regime)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the regimes --out already holds (same settings) and measure only the rest")
     parser.add_argument("--plot", default=None, help="PNG: tokens/s against RTT per policy")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
 
@@ -169,10 +171,17 @@ def _record(rows, **row) -> None:
           f"{m['tokens_per_s']} tok/s, τ={m['block_efficiency']}", file=sys.stderr, flush=True)
 
 
-async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -> List[Dict[str, Any]]:
+def cell(row: Dict[str, Any]) -> tuple:
+    """The unit a run measures in one interleaved pass, and the unit --resume keeps or redoes."""
+    return (row["set"], float(row["temperature"]), row["regime"])
+
+
+async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
+                  rows: Optional[List[Dict[str, Any]]] = None, saved=None) -> List[Dict[str, Any]]:
     """Every configuration (the verifier alone, then each policy at each initial k) per regime. The
     configurations are interleaved prompt by prompt, in a rotating order, so the host's drift over the
-    minutes a regime takes hits them alike; each sums its own generations' wall time."""
+    minutes a regime takes hits them alike; each sums its own generations' wall time. Regimes already
+    in `rows` (a resumed run) are skipped; `saved(rows)` is called after each regime."""
     from coordinator.local import LocalCluster
     from steerspec.data.evalsets import load_eval_set
     from steerspec.linkemu import LinkModel
@@ -184,7 +193,8 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
                             hidden_size=int(drafter.config.hidden_size))
     v, d = cached_lm(verifier), cached_lm(drafter)
     steering = maybe_steering(d, context.drafter_dir, device=d.device)
-    rows: List[Dict[str, Any]] = []
+    rows = [] if rows is None else rows
+    done = {cell(r) for r in rows}
     configs = [("verifier", None, None)] + _runs(args)
 
     async def regime(prompts, run_one, record) -> None:
@@ -197,13 +207,15 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
                 walls[c].append(wall)
         for (name, k, spec), res, wall in zip(configs, results, walls):
             record(policy=name, initial_k=k, spec=spec, metrics=summarize(res, sum(wall), wall))
+        if saved is not None:
+            saved(rows)
 
     for set_name in args.set_list:
         texts = [row["prompt"] for row in load_eval_set(set_name)][: args.prompts]
         prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         for temperature in args.temp_list:
             common = {"set": set_name, "temperature": temperature}
-            if not args.no_inprocess:
+            if not args.no_inprocess and (set_name, float(temperature), "inprocess") not in done:
                 # one policy object per configuration, kept across prompts (each sequence resets it)
                 policies = {spec: make_policy(spec, context) for _, _, spec in configs if spec}
 
@@ -213,6 +225,8 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos) -
                 run_inprocess(v, d, prompts[0], 0, args, temperature, make_policy("fixed:k=4"), eos, steering)  # warm-up
                 await regime(prompts, inprocess, lambda **row: _record(rows, **common, regime="inprocess", **row))
             for rtt in args.rtt_list:
+                if (set_name, float(temperature), f"rtt{rtt:g}") in done:
+                    continue
                 link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
                 # an SD² drafter goes by its directory: the cluster then loads it with its W_s hooks
                 served = context.drafter_dir if steering is not None else drafter
@@ -361,6 +375,35 @@ def write_plot(report, path: str) -> None:
     plt.close(fig)
 
 
+RESUME_KEYS = ("verifier", "drafter", "policies", "initial_k", "prompts", "max_new_tokens", "draft_top_k", "seed",
+               "steered")
+
+
+def resumed(args: argparse.Namespace, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The report --resume continues ({} without --resume or an --out file); refuses one written with
+    other settings, whose rows would not compare with the new ones."""
+    if not args.resume:
+        return {}
+    if not args.out:
+        raise UsageError("--resume needs --out (the report to continue)")
+    path = Path(args.out)
+    if not path.exists():
+        return {}
+    try:
+        prior = json.loads(path.read_text())
+        old = prior["config"]
+        prior["rows"] = [r for r in prior["rows"] if r["set"] in config["sets"]
+                         and float(r["temperature"]) in config["temperatures"]
+                         and (r["regime"] == "inprocess" and config["inprocess"] or r.get("rtt_ms") in config["rtt_ms"])]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--resume: {path} is not a `bench policies` report ({exc}); pick another --out") from None
+    differ = [k for k in RESUME_KEYS if old.get(k) != config[k]]
+    if differ:
+        raise UsageError(f"--resume: {path} was measured with other settings ({', '.join(differ)}); "
+                         "use the same flags or another --out")
+    return prior
+
+
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     import torch
@@ -382,27 +425,36 @@ def run(args: argparse.Namespace) -> int:
                                                                        hidden_size=int(drafter.config.hidden_size)))
         except PolicyError as exc:
             raise UsageError(str(exc)) from None
-    started = time.time()
-    rows = asyncio.run(measure(args, verifier, drafter, str(vdir), tokenizer, eos))
     names = list(dict.fromkeys(spec.partition(":")[0] for spec in args.policy_list))
     command = ("steerspec bench policies" + (" --quick" if args.quick else "") +
                f" --verifier {args.verifier} --drafter {args.drafter} --policies '{args.policies}'"
                f" --initial-k {args.initial_k} --sets {args.sets} --rtt-ms '{args.rtt_ms}' --temperatures {args.temperatures}"
                f" --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --seed {args.seed}")
-    report = {"command": command,
-              "config": {"verifier": str(vdir), "drafter": str(ddir), "sets": args.set_list,
-                         "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
-                         "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
-                         "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
-                         "inprocess": not args.no_inprocess, "steered": has_steering(ddir)},
-              "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                          "torch_threads": torch.get_num_threads()},
-              "rows": rows}
-    report["gammatune_table"] = table_gammatune(rows)
-    report["pacer_table"] = table_pacer(rows)
-    report["elapsed_s"] = round(time.time() - started, 1)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    config = {"verifier": str(vdir), "drafter": str(ddir), "sets": args.set_list,
+              "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
+              "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
+              "inprocess": not args.no_inprocess, "steered": has_steering(ddir)}
+    prior = resumed(args, config)
+    rows, earlier_s = prior.get("rows", []), float(prior.get("elapsed_s", 0.0))
+    started = time.time()
+
+    def report_of(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return {"command": command + (" --resume" if prior else ""), "config": config,
+                "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                            "torch_threads": torch.get_num_threads()},
+                "rows": rows, "gammatune_table": table_gammatune(rows), "pacer_table": table_pacer(rows),
+                "elapsed_s": round(earlier_s + time.time() - started, 1)}
+
+    def saved(rows: List[Dict[str, Any]]) -> None:
+        if args.out:  # after every regime: an interrupted run loses at most the regime in progress
+            tmp = Path(args.out + ".tmp")
+            tmp.write_text(json.dumps(report_of(rows), indent=2) + "\n")
+            tmp.replace(args.out)
+
+    rows = asyncio.run(measure(args, verifier, drafter, str(vdir), tokenizer, eos, rows, saved))
+    report = report_of(rows)
+    saved(rows)
     if args.plot:
         write_plot(report, args.plot)
     if args.json:
