@@ -4,7 +4,7 @@ SteerSpec's processes (the CLI and what it starts: servers, Ray workers, benches
 TCP client and listener rather than its EventEngine ones (``GRPC_EXPERIMENTS=-event_engine_client,
 -event_engine_listener``): a message that wakes an idle process costs fewer thread hand-offs there,
 and the remote-verifier regime is one idle wait per round trip. `steerspec bench hop` on a 2-core VM
-(README, "Per-hop cost"): one 1,846-byte message each way after 25 ms idle took 0.52 ms median
+(docs/results/bundled-pair.md, "Per-hop cost"): one 1,846-byte message each way after 25 ms idle took 0.52 ms median
 against 0.66 ms. A ``GRPC_EXPERIMENTS`` already set is left alone, and
 ``STEERSPEC_GRPC_TCP=event_engine`` keeps grpc's default.
 """
