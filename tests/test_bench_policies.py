@@ -187,3 +187,24 @@ def test_bench_policies_resume_keeps_measured_regimes_and_refuses_other_settings
     assert "other settings (prompts)" in capsys.readouterr().err
     assert main([*flags[:-2], "--resume"]) == 2  # no --out to continue
     assert json.loads(out.read_text()) == second  # a refused resume leaves the report alone
+
+
+def test_bench_policies_joins_reports_split_across_processes_and_prints_markdown(tmp_path, capsys):
+    """A grid split across two processes (--include) is joined without measuring anything again, and
+    --markdown prints both tables as Markdown; an unreadable --include is one line and exit 2."""
+    a, b, joined = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "joined.json"
+    flags = ["bench", "policies", "--verifier", "verifier", "--drafter", "pretrained", "--policies", "fixed",
+             "--initial-k", "2", "--sets", "indist", "--temperatures", "0", "--prompts", "1", "--max-new-tokens", "8"]
+    assert main([*flags, "--rtt-ms", "0", "--out", str(a)]) == 0
+    assert main([*flags, "--rtt-ms", "20", "--no-inprocess", "--out", str(b)]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--rtt-ms", "0,20", "--include", f"{a},{b}", "--out", str(joined), "--markdown"]) == 0
+    out = capsys.readouterr()
+    rows = json.loads(a.read_text())["rows"] + json.loads(b.read_text())["rows"]
+    report = json.loads(joined.read_text())
+    assert report["rows"] == rows  # nothing measured again
+    assert "tok/s" not in out.err  # no regime ran
+    assert "| policy | inprocess | rtt0 | rtt20 |" in out.out
+    assert "| indist | 0 | rtt20 | fixed |" in out.out
+    assert main([*flags, "--include", str(tmp_path / "nope.json")]) == 2
+    assert "--include: cannot read" in capsys.readouterr().err

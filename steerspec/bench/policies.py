@@ -15,7 +15,9 @@ writes the JSON (--out) and a PNG of tokens/s against RTT, one line per policy (
 Drafter forward passes = drafted tokens (one drafter step each); verifier passes = blocks.
 An SD² drafter (steering weights beside it) is steered in every regime, as `steerspec run` steers it.
 Within a regime the configurations are interleaved prompt by prompt (rotating order), so a drift in
-the host's speed over the minutes a regime takes hits every row alike.
+the host's speed over the minutes a regime takes hits every row alike. The report is rewritten after
+every regime: --resume continues it, --include joins the reports of a run split across processes or
+machines (same settings), --markdown prints the tables ready for a README.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the regimes --out already holds (same settings) and measure only the rest")
     parser.add_argument("--plot", default=None, help="PNG: tokens/s against RTT per policy")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    parser.add_argument("--include", default="",
+                        help="comma-separated reports of the same settings (a run split across processes or "
+                             "machines): their regimes count as measured and their rows join the report")
 
 
 def _validate(args) -> None:
@@ -303,7 +309,20 @@ def table_pacer(rows) -> List[Dict[str, Any]]:
     return out
 
 
-def print_tables(report) -> None:
+def _row(cells: Sequence[str], widths: Sequence[int], markdown: bool, left: Sequence[int] = (0,)) -> str:
+    """One table line: Markdown (`| a | b |`) or fixed-width text (the `left` columns left-aligned)."""
+    if markdown:
+        return "| " + " | ".join(c.strip() for c in cells) + " |"
+    return "".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def _head(cells: Sequence[str], widths: Sequence[int], markdown: bool, left: Sequence[int] = (0,)) -> List[str]:
+    lines = [_row(cells, widths, markdown, left)]
+    return lines + (["|" + "---|" * len(cells)] if markdown else [])
+
+
+def print_tables(report, markdown: bool = False) -> None:
+    """Both tables, as aligned text or (`markdown`) as Markdown tables ready for a README."""
     regimes = []
     for row in report["gammatune_table"]:
         if row["regime"] not in regimes:
@@ -311,30 +330,36 @@ def print_tables(report) -> None:
     print("GammaTune Table 2 layout: tokens/s ÷ SpecDecode's mean over initial k (mean ± std across initial k; "
           "'once' = no initial k)")
     keyed = {(r["set"], r["temperature"], r["regime"], r["policy"]): r for r in report["gammatune_table"]}
+    widths = [12] + [16] * len(regimes)
     for set_name in report["config"]["sets"]:
         for temp in report["config"]["temperatures"]:
-            print(f"\n{set_name}, T={temp:g}")
-            print(f"{'policy':<12}" + "".join(f"{g:>16}" for g in regimes))
+            print(f"\n{'**' if markdown else ''}{set_name}, T={temp:g}{'**' if markdown else ''}\n")
+            print("\n".join(_head(["policy", *regimes], widths, markdown)))
             for policy in report["config"]["policy_names"]:
-                cells = []
+                cells = [policy]
                 for g in regimes:
                     r = keyed.get((set_name, temp, g, policy))
                     if r is None:
-                        cells.append(f"{'-':>16}")
+                        cells.append("-")
                     elif r["speedup_std"] is None:
-                        cells.append(f"{r['speedup_mean']:>10.2f} once")
+                        cells.append(f"{r['speedup_mean']:.2f} once")
                     else:
-                        cells.append(f"{r['speedup_mean']:>8.2f} ± {r['speedup_std']:.2f}")
-                print(f"{policy:<12}" + "".join(cells))
+                        cells.append(f"{r['speedup_mean']:.2f} ± {r['speedup_std']:.2f}")
+                print(_row(cells, widths, markdown))
     print("\nPacer Tables 1/6 layout (best initial k where a policy has one; ×fixed/prompt: tokens/s over the "
-          "best fixed k's on the same prompt, mean ± standard error over prompts)")
-    print(f"{'set':<7}{'T':>3} {'regime':<10}{'policy':<12}{'tok/s':>8}{'×AR':>7}{'τ':>7}{'acc':>7}"
-          f"{'D/100':>8}{'V/100':>8}{'ms/tok':>8}{'×fixed/prompt':>16}  spec")
+          "best fixed k's on the same prompt, mean ± standard error over prompts)\n")
+    names = ["set", "T", "regime", "policy", "tok/s", "×AR", "τ", "acc", "D/100", "V/100", "ms/tok", "×fixed/prompt",
+             "spec"]
+    widths, left = [7, 3, 11, 12, 8, 7, 7, 7, 8, 8, 8, 16, 0], (0, 2, 3, 12)
+    names[2], names[-1] = " regime", "  spec"
+    print("\n".join(_head(names, widths, markdown, left)))
     for r in report["pacer_table"]:
-        print(f"{r['set']:<7}{r['temperature']:>3g} {r['regime']:<10}{r['policy']:<12}{r['tokens_per_s']:>8.1f}"
-              f"{(r['speedup_vs_verifier'] or 0):>7.2f}{(r['tau'] or 0):>7.2f}{(r['acceptance'] or 0):>7.2f}"
-              f"{(r['drafter_per_100'] or 0):>8.1f}{(r['verifier_per_100'] or 0):>8.1f}{(r['ms_per_token'] or 0):>8.2f}"
-              f"{_versus(r.get('vs_best_fixed')):>16}  {r['spec']}")
+        cells = [r["set"], f"{r['temperature']:g}", r["regime"], r["policy"], f"{r['tokens_per_s']:.1f}",
+                 f"{(r['speedup_vs_verifier'] or 0):.2f}", f"{(r['tau'] or 0):.2f}", f"{(r['acceptance'] or 0):.2f}",
+                 f"{(r['drafter_per_100'] or 0):.1f}", f"{(r['verifier_per_100'] or 0):.1f}",
+                 f"{(r['ms_per_token'] or 0):.2f}", _versus(r.get("vs_best_fixed")), f"  {r['spec']}"]
+        cells[2] = " " + cells[2]
+        print(_row(cells, widths, markdown, left))
 
 
 def _versus(v: Optional[Dict[str, float]]) -> str:
@@ -379,28 +404,40 @@ RESUME_KEYS = ("verifier", "drafter", "policies", "initial_k", "prompts", "max_n
                "steered")
 
 
-def resumed(args: argparse.Namespace, config: Dict[str, Any]) -> Dict[str, Any]:
-    """The report --resume continues ({} without --resume or an --out file); refuses one written with
-    other settings, whose rows would not compare with the new ones."""
-    if not args.resume:
-        return {}
-    if not args.out:
-        raise UsageError("--resume needs --out (the report to continue)")
-    path = Path(args.out)
-    if not path.exists():
-        return {}
+def _earlier(path: Path, config: Dict[str, Any], flag: str) -> Dict[str, Any]:
+    """A report measured with this run's settings, its rows cut to this run's sets, temperatures and
+    regimes; refuses one written with other settings, whose rows would not compare with the new ones."""
     try:
         prior = json.loads(path.read_text())
         old = prior["config"]
         prior["rows"] = [r for r in prior["rows"] if r["set"] in config["sets"]
                          and float(r["temperature"]) in config["temperatures"]
                          and (r["regime"] == "inprocess" and config["inprocess"] or r.get("rtt_ms") in config["rtt_ms"])]
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot read {path} ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--resume: {path} is not a `bench policies` report ({exc}); pick another --out") from None
+        raise UsageError(f"{flag}: {path} is not a `bench policies` report ({exc}); pick another") from None
     differ = [k for k in RESUME_KEYS if old.get(k) != config[k]]
     if differ:
-        raise UsageError(f"--resume: {path} was measured with other settings ({', '.join(differ)}); "
-                         "use the same flags or another --out")
+        raise UsageError(f"{flag}: {path} was measured with other settings ({', '.join(differ)}); "
+                         "use the same flags or another file")
+    return prior
+
+
+def resumed(args: argparse.Namespace, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The rows measured already: --out's with --resume (none when it does not exist yet), then those of
+    every --include report for the regimes still missing. {} when there are none."""
+    prior: Dict[str, Any] = {}
+    if args.resume:
+        if not args.out:
+            raise UsageError("--resume needs --out (the report to continue)")
+        if Path(args.out).exists():
+            prior = _earlier(Path(args.out), config, "--resume")
+    for path in [p.strip() for p in args.include.split(",") if p.strip()]:
+        other = _earlier(Path(path), config, "--include")
+        have = {cell(r) for r in prior.get("rows", [])}
+        prior.setdefault("rows", []).extend(r for r in other["rows"] if cell(r) not in have)
+        prior["elapsed_s"] = float(prior.get("elapsed_s", 0.0)) + float(other.get("elapsed_s", 0.0))
     return prior
 
 
@@ -440,7 +477,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
 
     def report_of(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return {"command": command + (" --resume" if prior else ""), "config": config,
+        return {"command": command + (" --resume" if args.resume else "") +
+                (f" --include {args.include}" if args.include else ""), "config": config,
                 "machine": {"platform": platform.platform(), "torch": torch.__version__,
                             "torch_threads": torch.get_num_threads()},
                 "rows": rows, "gammatune_table": table_gammatune(rows), "pacer_table": table_pacer(rows),
@@ -460,5 +498,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_tables(report)
+        print_tables(report, markdown=args.markdown)
     return 0
