@@ -90,6 +90,12 @@ def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_pat
         assert summary.token_ids == expected.token_ids
         assert summary.finish_reason == expected.stop_reason
         _check_cross_process_trace(trace_file, summary, pids)
+        # Adaptive draft-length policies (stopping inside a block, carrying state) on the drafter actor:
+        # still the verifier's greedy output.
+        with Client(deployment.coordinator_target, retries=1) as client:
+            for spec in ("latency", "gammatune+:k=2", "adaedl"):
+                assert client.complete(prompt_ids=prompt, max_new_tokens=12, policy=spec,
+                                       timeout=120).token_ids == expected.token_ids, spec
         # Deployed without allow_lossy: a sprinter request is refused, and the coordinator keeps serving.
         with Client(deployment.coordinator_target, retries=0) as client:
             with pytest.raises(grpc.RpcError) as info:
