@@ -63,6 +63,9 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     assert table[("inprocess", "fixed")]["speedup_mean"] == pytest.approx(1.0, abs=1e-3)
     assert table[("rtt20", "latency")]["speedup_std"] is None  # no initial k: runs once
     assert {r["policy"] for r in report["pacer_table"]} == {"fixed", "gammatune+", "latency", "specdecpp", "pacer"}
+    # GammaTune+ is checked in every regime (one prompt: no per-prompt spread, so no `latency` or Pacer verdicts)
+    assert {(t["regime"], t["target"].split(" ")[0]) for t in report["targets"]} == \
+        {(g, "gammatune+") for g in regimes}
     printed = capsys.readouterr().out
     assert "GammaTune Table 2 layout" in printed and "Pacer Tables 1/6 layout" in printed
 
@@ -208,3 +211,29 @@ def test_bench_policies_joins_reports_split_across_processes_and_prints_markdown
     assert "| indist | 0 | rtt20 | fixed |" in out.out
     assert main([*flags, "--include", str(tmp_path / "nope.json")]) == 2
     assert "--include: cannot read" in capsys.readouterr().err
+
+
+def test_targets_are_checked_per_regime_from_the_tables():
+    """GammaTune needs ≥ 1.10× with at most half SpecDecode's spread; Pacer +5% per prompt on indist (in
+    process, RTT 50); `latency` the best fixed k within one standard error, and above GammaTune at RTT 50/100."""
+    from steerspec.bench.policies import check_targets
+
+    def t2(regime, policy, mean, std):
+        return {"set": "indist", "temperature": 0.0, "regime": regime, "policy": policy, "speedup_mean": mean,
+                "speedup_std": std, "runs": 1 if std is None else 12}
+
+    def vs(regime, policy, mean, se):
+        return {"set": "indist", "temperature": 0.0, "regime": regime, "policy": policy,
+                "vs_best_fixed": {"mean": mean, "sd": se * 3 ** 0.5, "se": se, "prompts": 3}}
+
+    report = {"gammatune_table": [t2("rtt50", "fixed", 1.0, 0.20), t2("rtt50", "gammatune", 1.12, 0.09),
+                                  t2("rtt50", "gammatune+", 1.15, 0.11), t2("rtt50", "latency", 1.10, None),
+                                  t2("inprocess", "fixed", 1.0, 0.2), t2("inprocess", "gammatune", 1.2, 0.05)],
+              "pacer_table": [vs("rtt50", "pacer", 1.04, 0.01), vs("rtt50", "latency", 0.97, 0.02),
+                              vs("inprocess", "latency", 0.97, 0.04)]}
+    got = {(t["regime"], t["target"].split(" ")[0], t["target"].split(" ")[-1]): t["pass"]
+           for t in check_targets(report)}
+    assert got == {("rtt50", "gammatune", "its"): True, ("rtt50", "gammatune+", "its"): False,  # std 0.11 > 0.10
+                   ("rtt50", "pacer", "k"): False, ("rtt50", "latency", "spread"): False,  # 0.97 + 0.02 < 1
+                   ("rtt50", "latency", "GammaTune"): False,  # 1.10 is not above 1.12
+                   ("inprocess", "gammatune", "its"): True, ("inprocess", "latency", "spread"): True}

@@ -10,6 +10,7 @@ gammatune, gammatune+) run at every --initial-k; the others run once. Prints
 2. Pacer's Tables 1/6 layout: tokens/s, speedup over the verifier alone, τ, drafter and verifier
    forward passes per 100 tokens, for fixed at its best k in the same run and every adaptive
    policy (at its best initial k where it has one);
+3. the draft-length issue's targets, met or missed, per set, temperature and regime (`check_targets`);
 
 writes the JSON (--out) and a PNG of tokens/s against RTT, one line per policy (--plot).
 Drafter forward passes = drafted tokens (one drafter step each); verifier passes = blocks.
@@ -274,6 +275,43 @@ def table_gammatune(rows) -> List[Dict[str, Any]]:
     return out
 
 
+def check_targets(report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The draft-length issue's targets, per (set, T, regime) measured: GammaTune and GammaTune+ at ≥ 1.10×
+    SpecDecode over initial k with at most half its spread across k; Pacer ≥ +5% over the best fixed k on
+    `indist` in process and at RTT 50 (per prompt); `latency` at least the best fixed k within the spread
+    (per-prompt mean + one standard error ≥ 1) everywhere, and above GammaTune (Table 2) at RTT 50 and 100."""
+    table2 = {(r["set"], r["temperature"], r["regime"], r["policy"]): r for r in report["gammatune_table"]}
+    versus = {(r["set"], r["temperature"], r["regime"], r["policy"]): r.get("vs_best_fixed")
+              for r in report["pacer_table"]}
+    out: List[Dict[str, Any]] = []
+
+    def add(key, target: str, ok: bool, detail: str) -> None:
+        out.append({"set": key[0], "temperature": key[1], "regime": key[2], "target": target, "pass": bool(ok),
+                    "detail": detail})
+
+    for key in dict.fromkeys(k[:3] for k in table2):
+        fixed = table2.get((*key, "fixed"))
+        for name in ("gammatune", "gammatune+"):
+            r = table2.get((*key, name))
+            if fixed is not None and r is not None and r["speedup_std"] is not None:
+                spread = fixed["speedup_std"] or 0.0
+                add(key, f"{name} ≥ 1.10× SpecDecode, std ≤ half of its",
+                    r["speedup_mean"] >= 1.10 and r["speedup_std"] <= 0.5 * spread,
+                    f"{r['speedup_mean']:.2f} ± {r['speedup_std']:.2f} against ± {spread:.2f}")
+        v = versus.get((*key, "pacer"))
+        if v and key[0] == "indist" and key[2] in ("inprocess", "rtt50"):
+            add(key, "pacer ≥ +5% over the best fixed k", v["mean"] >= 1.05, f"{v['mean']:.2f} ± {v['se']:.2f}")
+        v = versus.get((*key, "latency"))
+        if v:
+            add(key, "latency ≥ the best fixed k within the spread", v["mean"] + v["se"] >= 1.0,
+                f"{v['mean']:.2f} ± {v['se']:.2f} per prompt")
+        lat, gt = table2.get((*key, "latency")), table2.get((*key, "gammatune"))
+        if lat is not None and gt is not None and key[2] in ("rtt50", "rtt100"):
+            add(key, "latency above GammaTune", lat["speedup_mean"] > gt["speedup_mean"],
+                f"{lat['speedup_mean']:.2f} against {gt['speedup_mean']:.2f}")
+    return out
+
+
 def paired(rates: Optional[Sequence[Optional[float]]], base: Optional[Sequence[Optional[float]]]
            ) -> Optional[Dict[str, float]]:
     """Per-prompt ratios rates[i] / base[i] (the same prompt, interleaved): mean, std across prompts
@@ -360,6 +398,14 @@ def print_tables(report, markdown: bool = False) -> None:
                  f"{(r['ms_per_token'] or 0):.2f}", _versus(r.get("vs_best_fixed")), f"  {r['spec']}"]
         cells[2] = " " + cells[2]
         print(_row(cells, widths, markdown, left))
+    targets = report.get("targets") or check_targets(report)
+    if targets:
+        print("\nTargets (the draft-length issue's, per set, T and regime measured)\n")
+        widths, left = [7, 3, 11, 52, 7, 0], (0, 2, 3, 5)
+        print("\n".join(_head(["set", "T", " regime", "target", "", "  measured"], widths, markdown, left)))
+        for t in targets:
+            print(_row([t["set"], f"{t['temperature']:g}", " " + t["regime"], t["target"],
+                        "met" if t["pass"] else "missed", "  " + t["detail"]], widths, markdown, left))
 
 
 def _versus(v: Optional[Dict[str, float]]) -> str:
@@ -477,12 +523,14 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
 
     def report_of(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return {"command": command + (" --resume" if args.resume else "") +
-                (f" --include {args.include}" if args.include else ""), "config": config,
-                "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                            "torch_threads": torch.get_num_threads()},
-                "rows": rows, "gammatune_table": table_gammatune(rows), "pacer_table": table_pacer(rows),
-                "elapsed_s": round(earlier_s + time.time() - started, 1)}
+        report = {"command": command + (" --resume" if args.resume else "") +
+                  (f" --include {args.include}" if args.include else ""), "config": config,
+                  "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                              "torch_threads": torch.get_num_threads()},
+                  "rows": rows, "gammatune_table": table_gammatune(rows), "pacer_table": table_pacer(rows),
+                  "elapsed_s": round(earlier_s + time.time() - started, 1)}
+        report["targets"] = check_targets(report)
+        return report
 
     def saved(rows: List[Dict[str, Any]]) -> None:
         if args.out:  # after every regime: an interrupted run loses at most the regime in progress
