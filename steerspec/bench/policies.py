@@ -463,7 +463,12 @@ def _earlier(path: Path, config: Dict[str, Any], flag: str) -> Dict[str, Any]:
         raise UsageError(f"{flag}: cannot read {path} ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{flag}: {path} is not a `bench policies` report ({exc}); pick another") from None
-    differ = [k for k in RESUME_KEYS if old.get(k) != config[k]]
+    def same(key: str) -> bool:  # models by directory name: another checkout or machine has other paths
+        if key in ("verifier", "drafter"):
+            return Path(str(old.get(key))).name == Path(str(config[key])).name
+        return old.get(key) == config[key]
+
+    differ = [k for k in RESUME_KEYS if not same(k)]
     if differ:
         raise UsageError(f"{flag}: {path} was measured with other settings ({', '.join(differ)}); "
                          "use the same flags or another file")
