@@ -237,3 +237,21 @@ def test_targets_are_checked_per_regime_from_the_tables():
                    ("rtt50", "pacer", "k"): False, ("rtt50", "latency", "spread"): False,  # 0.97 + 0.02 < 1
                    ("rtt50", "latency", "GammaTune"): False,  # 1.10 is not above 1.12
                    ("inprocess", "gammatune", "its"): True, ("inprocess", "latency", "spread"): True}
+
+
+def test_resume_matches_models_by_directory_name_not_path(tmp_path):
+    """A report from another checkout or machine (the bundled drafter under another path) continues;
+    one made with another drafter does not."""
+    from steerspec.bench.policies import RESUME_KEYS, _earlier
+    from steerspec.errors import UsageError
+
+    config = {k: 1 for k in RESUME_KEYS} | {"verifier": "/a/smollm2", "drafter": "/a/assets/smollm2-sd2",
+                                            "sets": ["indist"], "temperatures": [0.0], "rtt_ms": [50.0],
+                                            "inprocess": True}
+    row = {"set": "indist", "temperature": 0.0, "regime": "rtt50", "rtt_ms": 50.0}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"config": config | {"drafter": "/b/wt/assets/smollm2-sd2"}, "rows": [row]}))
+    assert _earlier(path, config, "--include")["rows"] == [row]
+    path.write_text(json.dumps({"config": config | {"drafter": "/a/assets/smollm2-distilled"}, "rows": [row]}))
+    with pytest.raises(UsageError, match=r"other settings \(drafter\)"):
+        _earlier(path, config, "--include")
