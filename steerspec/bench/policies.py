@@ -183,6 +183,12 @@ def cell(row: Dict[str, Any]) -> tuple:
     return (row["set"], float(row["temperature"]), row["regime"])
 
 
+def planned(config: Dict[str, Any]) -> set:
+    """Every cell a run with this config measures (the regimes as `measure` names them)."""
+    regimes = (["inprocess"] if config["inprocess"] else []) + [f"rtt{rtt:g}" for rtt in config["rtt_ms"]]
+    return {(s, float(t), g) for s in config["sets"] for t in config["temperatures"] for g in regimes}
+
+
 async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
                   rows: Optional[List[Dict[str, Any]]] = None, saved=None) -> List[Dict[str, Any]]:
     """Every configuration (the verifier alone, then each policy at each initial k) per regime. The
@@ -456,13 +462,13 @@ def _earlier(path: Path, config: Dict[str, Any], flag: str) -> Dict[str, Any]:
     try:
         prior = json.loads(path.read_text())
         old = prior["config"]
-        prior["rows"] = [r for r in prior["rows"] if r["set"] in config["sets"]
-                         and float(r["temperature"]) in config["temperatures"]
-                         and (r["regime"] == "inprocess" and config["inprocess"] or r.get("rtt_ms") in config["rtt_ms"])]
+        wanted = planned(config)
+        prior["rows"] = [r for r in prior["rows"] if cell(r) in wanted]
     except OSError as exc:
         raise UsageError(f"{flag}: cannot read {path} ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{flag}: {path} is not a `bench policies` report ({exc}); pick another") from None
+
     def same(key: str) -> bool:  # models by directory name: another checkout or machine has other paths
         if key in ("verifier", "drafter"):
             return Path(str(old.get(key))).name == Path(str(config[key])).name
@@ -537,15 +543,16 @@ def run(args: argparse.Namespace) -> int:
         report["targets"] = check_targets(report)
         return report
 
-    def saved(rows: List[Dict[str, Any]]) -> None:
+    def save(report: Dict[str, Any]) -> None:
         if args.out:  # after every regime: an interrupted run loses at most the regime in progress
             tmp = Path(args.out + ".tmp")
-            tmp.write_text(json.dumps(report_of(rows), indent=2) + "\n")
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
             tmp.replace(args.out)
 
-    rows = asyncio.run(measure(args, verifier, drafter, str(vdir), tokenizer, eos, rows, saved))
+    rows = asyncio.run(measure(args, verifier, drafter, str(vdir), tokenizer, eos, rows,
+                               lambda rows: save(report_of(rows))))
     report = report_of(rows)
-    saved(rows)
+    save(report)
     if args.plot:
         write_plot(report, args.plot)
     if args.json:
