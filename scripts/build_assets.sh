@@ -60,20 +60,22 @@ for step in "${STEPS[@]}"; do
                cp runs/smollm2/trained/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md} \
                  $ASSETS/models/smollm2-pretrained/ ;;
     smollm2-synth)  # the verifier's T=1 answers with its top-64 log-probs and SD² taps cached (resumable by
-                    # shard); two workers of one thread each share the shards
+                    # shard); two workers of one thread each share the shards. 24 shards of 256 answers are what
+                    # the shipped drafters learnt from (SMOLLM2_SYNTH_SHARDS=7 was the first, smaller build)
                pids=(); workers=2; [ "$DEVICE" = cpu ] || workers=1  # one process feeds a GPU
                for ((w = 0; w < workers; w++)); do
                  $PY -m steerspec train synth --verifier smollm2 --out runs/smollm2/synth --samples 8192 --batch-size 256 \
                    --prompt-min 16 --prompt-max 96 --max-new-tokens 128 --teacher-top-k 64 --seed 0 --threads 1 \
-                   --shards "${SMOLLM2_SYNTH_SHARDS:-7}" --worker $w/$workers --device "$DEVICE" &
+                   --shards "${SMOLLM2_SYNTH_SHARDS:-24}" --worker $w/$workers --device "$DEVICE" &
                  pids+=($!)
                done
                for pid in "${pids[@]}"; do wait "$pid"; done ;;  # fails when a worker failed
     smollm2-distilled|smollm2-sd2)  # the same data, steps, lr, initialisation and seed; sd2 adds steering
+               # (1500 steps ship; SMOLLM2_DISTILL_STEPS=250 was the first, smaller build)
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
                $PY -m steerspec train $cmd --data runs/smollm2/synth --verifier smollm2 --drafter smollm2-pretrained \
-                 --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-250}" --batch-size 16 --lr 5e-4 \
+                 --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-1500}" --batch-size 16 --lr 5e-4 \
                  --eval-every 80 --save-every 10 --seed 0 --threads "$THREADS" --device "$DEVICE" "${extra[@]}"
                mkdir -p $ASSETS/models/$step
                cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \

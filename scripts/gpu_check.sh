@@ -12,6 +12,8 @@
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 4     # the trainers' cuda tests (issue 19)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 5     # build_assets.sh smollm2 --device cuda: drafters (19)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 6     # the same: their Pacer, SpecDec++, SPRINTER heads
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 7     # larger drafters from the shipped smollm2-pretrained:
+#     SMOLLM2_SYNTH_SHARDS answers' shards, SMOLLM2_DISTILL_STEPS steps; weights come back in 14 MiB pieces
 # $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
 set -uo pipefail
 PART=${1:?usage: gpu_check.sh 1|2|3}
@@ -83,8 +85,18 @@ case "$PART" in
     steerspec/assets/models/smollm2-*/{MODEL_CARD.md,train_report.json} steerspec/assets/models/smollm2-*/*/*.json \
     2>/dev/null
   ;;
+7)  # issue 19: distilled and sd2 drafters on more synthetic data and steps, initialised from the shipped
+    # (CPU-built) smollm2-pretrained; synth limit and distill limit from SYNTH_LIMIT / DISTILL_LIMIT
+  step synth "${SYNTH_LIMIT:-260}" env PY="$PY" bash scripts/build_assets.sh smollm2-synth --device "$DEV"
+  for kind in distilled sd2; do  # side by side on the one GPU
+    step "$kind" "${DISTILL_LIMIT:-200}" env PY="$PY" bash scripts/build_assets.sh "smollm2-$kind" --device "$DEV" &
+  done
+  wait
+  tar cf "$OUT/drafters.tar" runs/smollm2/synth/meta.json steerspec/assets/models/smollm2-{distilled,sd2} 2>/dev/null
+  split -b 14m "$OUT/drafters.tar" "$OUT/drafters.tar." && rm "$OUT/drafters.tar"
+  ;;
 *)
-  echo "usage: gpu_check.sh 1|2|3|4|5|6" >&2
+  echo "usage: gpu_check.sh 1|2|3|4|5|6|7" >&2
   exit 2
   ;;
 esac
