@@ -183,9 +183,15 @@ def cell(row: Dict[str, Any]) -> tuple:
     return (row["set"], float(row["temperature"]), row["regime"])
 
 
+def regime_name(rtt_ms: Optional[float]) -> str:
+    """A regime's name in rows and cells: `inprocess` (no RTT), else `rtt<ms>` through the services."""
+    return "inprocess" if rtt_ms is None else f"rtt{rtt_ms:g}"
+
+
 def planned(config: Dict[str, Any]) -> set:
-    """Every cell a run with this config measures (the regimes as `measure` names them)."""
-    regimes = (["inprocess"] if config["inprocess"] else []) + [f"rtt{rtt:g}" for rtt in config["rtt_ms"]]
+    """Every cell a run with this config measures."""
+    rtts = ([None] if config["inprocess"] else []) + list(config["rtt_ms"])
+    regimes = [regime_name(rtt) for rtt in rtts]
     return {(s, float(t), g) for s in config["sets"] for t in config["temperatures"] for g in regimes}
 
 
@@ -228,7 +234,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
         prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         for temperature in args.temp_list:
             common = {"set": set_name, "temperature": temperature}
-            if not args.no_inprocess and (set_name, float(temperature), "inprocess") not in done:
+            if not args.no_inprocess and (set_name, float(temperature), regime_name(None)) not in done:
                 # one policy object per configuration, kept across prompts (each sequence resets it)
                 policies = {spec: make_policy(spec, context) for _, _, spec in configs if spec}
 
@@ -236,9 +242,9 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
                     return run_inprocess(v, d, prompt, i, args, temperature, policies.get(spec), eos, steering)
 
                 run_inprocess(v, d, prompts[0], 0, args, temperature, make_policy("fixed:k=4"), eos, steering)  # warm-up
-                await regime(prompts, inprocess, lambda **row: _record(rows, **common, regime="inprocess", **row))
+                await regime(prompts, inprocess, lambda **row: _record(rows, **common, regime=regime_name(None), **row))
             for rtt in args.rtt_list:
-                if (set_name, float(temperature), f"rtt{rtt:g}") in done:
+                if (set_name, float(temperature), regime_name(rtt)) in done:
                     continue
                 link = LinkModel(rtt_ms=rtt, seed=args.seed).validate()
                 # an SD² drafter goes by its directory: the cluster then loads it with its W_s hooks
@@ -249,7 +255,7 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
 
                     warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 4})
                     await run_services(cluster, prompts[0], 0, warm, temperature, "fixed:k=4")  # warm-up
-                    await regime(prompts, services, lambda rtt=rtt, **row: _record(rows, **common, regime=f"rtt{rtt:g}",
+                    await regime(prompts, services, lambda rtt=rtt, **row: _record(rows, **common, regime=regime_name(rtt),
                                                                           rtt_ms=rtt, **row))
     return rows
 
