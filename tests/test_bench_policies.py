@@ -59,6 +59,13 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
         m = row["metrics"]
         assert m["tokens"] >= 1 and m["tokens_per_s"] > 0 and m["verifier_calls"] >= 1
         assert len(m["per_prompt_tokens_per_s"]) == 1  # one prompt: no spread to compare against
+        if row["policy"] == "verifier":
+            continue
+        hist = {int(n): c for n, c in m["draft_length_hist"].items()}  # every block's draft length, counted
+        assert sum(hist.values()) == m["verifier_calls"] and sum(n * c for n, c in hist.items()) == m["drafter_calls"]
+        assert m["draft_length_mean"] == pytest.approx(m["drafter_calls"] / m["verifier_calls"], abs=1e-3)
+        if row["policy"] == "fixed":
+            assert max(hist) <= row["initial_k"]  # shorter only where the token budget ends a block
     table = {(r["regime"], r["policy"]): r for r in report["gammatune_table"]}
     assert table[("inprocess", "fixed")]["speedup_mean"] == pytest.approx(1.0, abs=1e-3)
     assert table[("rtt20", "latency")]["speedup_std"] is None  # no initial k: runs once
@@ -67,7 +74,7 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     assert {(t["regime"], t["target"].split(" ")[0]) for t in report["targets"]} == \
         {(g, "gammatune+") for g in regimes}
     printed = capsys.readouterr().out
-    assert "GammaTune Table 2 layout" in printed and "Pacer Tables 1/6 layout" in printed
+    assert "GammaTune Table 2 layout" in printed and "Pacer Tables 1/6 layout" in printed and "k/block" in printed
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -355,6 +355,10 @@ def test_bench_sprinter_runs_specdecpp_and_adaedl_beside_exact_and_sprinter(caps
         assert row["verifier_calls"] >= 1 and set(row["speedup"]) == {"0", "50"}
         assert any(line.startswith(f"{name} | ") for line in stdout.splitlines())
     assert rows["sprinter@0.4"]["lossy"] is True and "eta_fp" in rows["sprinter@0.4"]
+    assert rows["exact"]["ppl_ratio"] == 1.0 and rows["exact"]["ppl_drift"] == 1.0
+    for row in rows.values():  # every row: the raw ratio, the excess at the same prefixes, the drift, 95% intervals
+        for key in ("ppl_ratio", "ppl_excess", "ppl_drift"):
+            assert row[f"{key}_low"] <= row[key] <= row[f"{key}_high"]
     assert out.with_suffix(".png").stat().st_size > 0
     code, _, err = _cli(capsys, "bench", "sprinter", "--policies", "specdecpp:h=2", "--out", str(out))
     assert code == 2 and err.count("\n") == 1 and "--policies" in err

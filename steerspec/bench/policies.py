@@ -110,9 +110,12 @@ def expand(spec: str, ks: Sequence[int]) -> List[tuple]:
 
 
 def summarize(results: Sequence[Any], wall_s: float, walls: Optional[Sequence[float]] = None) -> Dict[str, Any]:
-    """tokens/s, τ, acceptance, passes per 100 tokens and ms per token of a list of results (and each
+    """tokens/s, τ, acceptance, passes per 100 tokens, ms per token and the draft length of every block
+    (histogram, mean, std: a policy that mixes lengths shows here) of a list of results (and each
     prompt's tokens/s when given each result's wall seconds)."""
     tokens = sum(r.generated for r in results)
+    lengths = [n for r in results for n in r.block_drafted]
+    hist = {str(n): lengths.count(n) for n in sorted(set(lengths))}
     rounds = sum(r.rounds for r in results)
     drafted = sum(r.drafted for r in results)
     accepted = sum(r.accepted for r in results)
@@ -124,6 +127,9 @@ def summarize(results: Sequence[Any], wall_s: float, walls: Optional[Sequence[fl
             "drafter_per_100": round(100 * drafted / tokens, 2) if tokens else None,
             "verifier_per_100": round(100 * rounds / tokens, 2) if tokens else None,
             "ms_per_token": round(1e3 * wall_s / tokens, 3) if tokens else None,
+            "draft_length_hist": hist,
+            "draft_length_mean": round(statistics.mean(lengths), 3) if lengths else None,
+            "draft_length_sd": round(statistics.pstdev(lengths), 3) if lengths else None,
             "per_prompt_tokens_per_s": None if walls is None else
             [round(r.generated / w, 3) if w > 0 else None for r, w in zip(results, walls)]}
 
@@ -355,7 +361,8 @@ def table_pacer(rows) -> List[Dict[str, Any]]:
                         "speedup_vs_verifier": round(m["tokens_per_s"] / alone, 3) if alone else None,
                         "tau": m["block_efficiency"], "acceptance": m["acceptance"],
                         "drafter_per_100": m["drafter_per_100"], "verifier_per_100": m["verifier_per_100"],
-                        "ms_per_token": m["ms_per_token"], "vs_best_fixed": versus})
+                        "ms_per_token": m["ms_per_token"], "vs_best_fixed": versus,
+                        "draft_length_mean": m.get("draft_length_mean"), "draft_length_sd": m.get("draft_length_sd")})
     return out
 
 
@@ -398,15 +405,15 @@ def print_tables(report, markdown: bool = False) -> None:
                 print(_row(cells, widths, markdown))
     print("\nPacer Tables 1/6 layout (best initial k where a policy has one; ×fixed/prompt: tokens/s over the "
           "best fixed k's on the same prompt, mean ± standard error over prompts)\n")
-    names = ["set", "T", "regime", "policy", "tok/s", "×AR", "τ", "acc", "D/100", "V/100", "ms/tok", "×fixed/prompt",
-             "spec"]
-    widths, left = [7, 3, 11, 12, 8, 7, 7, 7, 8, 8, 8, 16, 0], (0, 2, 3, 12)
+    names = ["set", "T", "regime", "policy", "tok/s", "×AR", "τ", "acc", "D/100", "V/100", "k/block", "ms/tok",
+             "×fixed/prompt", "spec"]
+    widths, left = [7, 3, 11, 12, 8, 7, 7, 7, 8, 8, 12, 8, 16, 0], (0, 2, 3, 13)
     names[2], names[-1] = " regime", "  spec"
     print("\n".join(_head(names, widths, markdown, left)))
     for r in report["pacer_table"]:
         cells = [r["set"], f"{r['temperature']:g}", r["regime"], r["policy"], f"{r['tokens_per_s']:.1f}",
                  f"{(r['speedup_vs_verifier'] or 0):.2f}", f"{(r['tau'] or 0):.2f}", f"{(r['acceptance'] or 0):.2f}",
-                 f"{(r['drafter_per_100'] or 0):.1f}", f"{(r['verifier_per_100'] or 0):.1f}",
+                 f"{(r['drafter_per_100'] or 0):.1f}", f"{(r['verifier_per_100'] or 0):.1f}", _length(r),
                  f"{(r['ms_per_token'] or 0):.2f}", _versus(r.get("vs_best_fixed")), f"  {r['spec']}"]
         cells[2] = " " + cells[2]
         print(_row(cells, widths, markdown, left))
@@ -418,6 +425,13 @@ def print_tables(report, markdown: bool = False) -> None:
         for t in targets:
             print(_row([t["set"], f"{t['temperature']:g}", " " + t["regime"], t["target"],
                         "met" if t["pass"] else "missed", "  " + t["detail"]], widths, markdown, left))
+
+
+def _length(row: Dict[str, Any]) -> str:
+    """Draft length per block, 'mean ± std' ('-' for the verifier alone or a report made before it was kept)."""
+    if row.get("draft_length_mean") is None:
+        return "-"
+    return f"{row['draft_length_mean']:.2f} ± {row['draft_length_sd']:.2f}"
 
 
 def _versus(v: Optional[Dict[str, float]]) -> str:

@@ -1,6 +1,7 @@
 """SPRINTER (lossy) against exact speculative decoding: calls saved, speed at modelled RTTs, what it costs.
 
-On the same prompts and seeds (T = --temperature) it runs exact speculative decoding (fixed k),
+On the same prompts and seeds (T = --temperature; every sequence runs every configuration, in a
+rotating order) it runs exact speculative decoding (fixed k),
 exact speculative decoding under each --policies draft-length policy (SPRINTER's Table 2 baselines
 SpecDec++ and AdaEDL by default; lossless, so only their speed and calls differ) and SPRINTER at
 each --thresholds value, in-process. Per configuration: tokens per verifier
@@ -9,7 +10,9 @@ tokens / (wall + calls · RTT) (every verifier call pays one round trip; in-proc
 plus the modelled network), speedup against exact at the same RTT; η_TP / η_FP measured on
 the run's own tokens; Theorem 1's bound η_FP · d_TV(p, q) and Theorems 2–3's expected run length
 beside the measured ones. Quality without a judge: (a) the verifier's NLL per token of the
-outputs and its ratio to exact's (a perplexity ratio), (b) d_TV between the first-token
+outputs and its ratio to exact's (a perplexity ratio, paired by sequence, with a 95% interval), split
+into the excess NLL at the same prefixes (against exact decoding's expectation there: ≈ 1 for lossless
+rows, far less noisy) and the drift of that expectation between the prefixes visited, (b) d_TV between the first-token
 distribution under SPRINTER and the verifier's own, exact in closed form per prompt and sampled
 (--tv-samples draws on the first prompt, with exact decoding's sampled d_TV as the noise floor),
 (c) the win-tie rate of SPRINTER's 20-token completions against exact's by the verifier's total
@@ -29,6 +32,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from steerspec.errors import UsageError, float_list
+from steerspec.sprinter.quality import SequenceQuality, quality_ratios, summarise, token_nll_and_baseline
 
 SPRINTER = "sprinter@"  # row names of SPRINTER's configurations: sprinter@<threshold>
 
@@ -69,6 +73,17 @@ def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> f
     ids = torch.tensor([list(prompt) + list(tokens)], device=verifier.device)
     logp = verifier(input_ids=ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
     return float(logp.gather(-1, torch.tensor(tokens, device=logp.device).view(-1, 1)).sum())
+
+
+@torch.inference_mode()
+def sequence_quality(verifier, prompt: Sequence[int], tokens: Sequence[int], params) -> SequenceQuality:
+    """The verifier's NLL of `tokens` after `prompt` and exact decoding's expected NLL at the same prefixes."""
+    if not tokens:
+        return SequenceQuality(0, 0.0, 0.0)
+    ids = torch.tensor([list(prompt) + list(tokens)], device=verifier.device)
+    logits = verifier(input_ids=ids).logits[0, len(prompt) - 1:-1]
+    nll, baseline = token_nll_and_baseline(logits, torch.tensor(tokens), params)
+    return SequenceQuality(len(tokens), float(nll.sum()), float(baseline.sum()))
 
 
 @torch.inference_mode()
@@ -116,6 +131,7 @@ def _sampled_tv(generate, prompt, config, samples: int, p_first) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from steerspec.bench.policies import rotated
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, speculative_generate
     from steerspec.models import cached_lm, context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
@@ -172,17 +188,22 @@ def run(args: argparse.Namespace) -> int:
             steering=steer))(t)
     configs["exact"](prompts[0], base)  # warm-up
 
+    # every sequence runs every configuration, in a rotating order: a drift in the host's speed, and the
+    # first time each shape is met, hit the rows alike (run row after row, exact's, the first, had 3-5x the
+    # others' spread in ms per token)
+    per_config: Dict[str, tuple] = {name: ([], [], []) for name in configs}
+    sequences = [(ids, 1000 * i + s) for i, ids in enumerate(prompts) for s in range(args.seeds)]
+    for n, (ids, seed) in enumerate(sequences):
+        cfg = replace(base, seed=seed)
+        for name in rotated(list(configs), n):
+            results, quality, lls = per_config[name]
+            r = configs[name](ids, cfg)
+            results.append(r)
+            quality.append(sequence_quality(verifier_model, ids, r.token_ids, params))
+            short = configs[name](ids, replace(cfg, max_new_tokens=args.winrate_tokens, eos_token_ids=()))
+            lls.append(sequence_loglik(verifier_model, ids, short.token_ids))
     rows: Dict[str, Dict] = {}
-    for name, generate in configs.items():
-        results, nll, lls = [], [], []
-        for i, ids in enumerate(prompts):
-            for s in range(args.seeds):
-                cfg = replace(base, seed=1000 * i + s)
-                r = generate(ids, cfg)
-                results.append(r)
-                nll.append((-sequence_loglik(verifier_model, ids, r.token_ids), r.generated))
-                short = generate(ids, replace(cfg, max_new_tokens=args.winrate_tokens, eos_token_ids=()))
-                lls.append(sequence_loglik(verifier_model, ids, short.token_ids))
+    for name, (results, quality, lls) in per_config.items():
         tokens = sum(r.generated for r in results)
         calls = sum(r.rounds for r in results)
         wall = sum(r.wall_s for r in results)
@@ -190,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
         row = {"tokens": tokens, "verifier_calls": calls, "tokens_per_call": tokens / calls,
                "ms_per_token_mean": statistics.mean(ms_per_token), "ms_per_token_std": statistics.pstdev(ms_per_token),
                "tokens_per_s": {f"{r:g}": tokens / (wall + calls * r / 1000) for r in rtts},
-               "nll_per_token": sum(n for n, _ in nll) / max(1, sum(c for _, c in nll)), "_lls": lls,
+               "nll_per_token": summarise(quality).nll / max(1, summarise(quality).tokens), "_lls": lls,
+               "_quality": quality,
                "lossy": name.startswith(SPRINTER)}
         if row["lossy"]:
             tp, fn, fp, tn = (sum(getattr(r, f) for r in results) for f in ("tp", "fn", "fp", "tn"))
@@ -216,10 +238,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: {tokens} tokens, {calls} calls", flush=True)
 
     exact = rows["exact"]
-    exact_lls = list(exact["_lls"])
+    exact_lls, exact_quality = list(exact["_lls"]), list(exact["_quality"])
     for name, row in rows.items():
         row["speedup"] = {r: row["tokens_per_s"][r] / exact["tokens_per_s"][r] for r in row["tokens_per_s"]}
-        row["ppl_ratio"] = float(torch.tensor(row["nll_per_token"] - exact["nll_per_token"]).exp())
+        row.update(quality_ratios(row.pop("_quality"), exact_quality))  # exact against itself: 1, and its excess
         lls = row.pop("_lls")
         row["win_tie_rate"] = sum(a >= b for a, b in zip(lls, exact_lls)) / len(lls)
 
@@ -235,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             rows[name]["first_token_tv_sampled"] = sampled[name]
 
     header = ["config", "tok/call", "ms/tok", *[f"x@{r:g}ms" for r in rtts], "eta_TP", "eta_FP", "TV bnd",
-              "TV 1st", "TV smp", "run", "E[run]", "ppl ratio", "win-tie"]
+              "TV 1st", "TV smp", "run", "E[run]", "ppl ratio [95%]", "ppl excess [95%]", "drift", "win-tie"]
     print(" | ".join(header))
     for name, row in rows.items():
         cells = [name, f"{row['tokens_per_call']:.2f}",
@@ -247,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
             cells += [f"{row['eta_tp']:.3f}", f"{row['eta_fp']:.3f}", f"{row['tv_bound']:.3f}",
                       f"{row['first_token_tv']:.3f}", f"{row.get('first_token_tv_sampled', float('nan')):.3f}",
                       f"{row['mean_run_length']:.2f}", f"{row['expected_run_length']:.2f}"]
-        cells += [f"{row['ppl_ratio']:.3f}", f"{row['win_tie_rate']:.2f}"]
+        cells += [_interval(row, "ppl_ratio"), _interval(row, "ppl_excess"), _interval(row, "ppl_drift"),
+                  f"{row['win_tie_rate']:.2f}"]
         print(" | ".join(cells))
     payload = {"bench": "sprinter", "verifier": str(args.verifier), "drafter": str(args.drafter),
                "head": str(loaded.path), "lambda": loaded.lam, "temperature": args.temperature, "k": args.k,
@@ -261,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
     _plot(rows, rtts, png)
     print(f"wrote {args.out} and {png}")
     return 0
+
+
+def _interval(row: Dict, key: str) -> str:
+    """A ratio with its 95% interval, as the table prints it."""
+    return f"{row[key]:.3f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
 
 
 def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thresholds, loaded, specs) -> int:
@@ -291,7 +319,8 @@ def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thr
 
 
 def _plot(rows: Dict[str, Dict], rtts: List[float], path: Path) -> None:
-    """Speedup against exact (at each RTT) vs perplexity ratio, one point per threshold."""
+    """Speedup against exact (at each RTT) vs the perplexity excess at the same prefixes (with its 95%
+    interval), one point per threshold."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,15 +329,18 @@ def _plot(rows: Dict[str, Dict], rtts: List[float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     lossy = [(n, r) for n, r in rows.items() if r["lossy"]]
     for rtt in rtts:
-        xs = [r["ppl_ratio"] for _, r in lossy]
+        xs = [r["ppl_excess"] for _, r in lossy]
         ys = [r["speedup"][f"{rtt:g}"] for _, r in lossy]
-        ax.plot(xs, ys, marker="o", label=f"RTT {rtt:g} ms")
+        err = [[x - r["ppl_excess_low"] for x, (_, r) in zip(xs, lossy)],
+               [r["ppl_excess_high"] - x for x, (_, r) in zip(xs, lossy)]]
+        ax.errorbar(xs, ys, xerr=err, marker="o", capsize=2, label=f"RTT {rtt:g} ms")
         for (n, r), x, y in zip(lossy, xs, ys):
             ax.annotate(f"t={r['threshold']:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
     ax.axhline(1.0, c="grey", ls=":")
     ax.axvline(1.0, c="grey", ls=":")
     ax.scatter([1.0], [1.0], c="black", marker="s", label="exact (lossless)")
-    ax.set_xlabel("verifier perplexity ratio vs exact (1 = exact; away from 1 = deviation)")
+    ax.axvspan(0.9, 1.1, color="green", alpha=0.08, label="within 10%")
+    ax.set_xlabel("verifier perplexity excess at the same prefixes (1 = exact; 95% interval)")
     ax.set_ylabel("tokens/s speedup vs exact")
     ax.set_title("SPRINTER speed/quality trade-off over thresholds", fontsize=9)
     ax.legend(fontsize=7)
