@@ -208,10 +208,11 @@ def run(args: argparse.Namespace) -> int:
         calls = sum(r.rounds for r in results)
         wall = sum(r.wall_s for r in results)
         ms_per_token = [1000 * r.wall_s / r.generated for r in results if r.generated]
+        pooled = summarise(quality)
         row = {"tokens": tokens, "verifier_calls": calls, "tokens_per_call": tokens / calls,
                "ms_per_token_mean": statistics.mean(ms_per_token), "ms_per_token_std": statistics.pstdev(ms_per_token),
                "tokens_per_s": {f"{r:g}": tokens / (wall + calls * r / 1000) for r in rtts},
-               "nll_per_token": summarise(quality).nll / max(1, summarise(quality).tokens), "_lls": lls,
+               "nll_per_token": pooled.nll / max(1, pooled.tokens), "_lls": lls,
                "_quality": quality,
                "lossy": name.startswith(SPRINTER)}
         if row["lossy"]:
