@@ -29,6 +29,7 @@ import json
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -115,7 +116,7 @@ def summarize(results: Sequence[Any], wall_s: float, walls: Optional[Sequence[fl
     prompt's tokens/s when given each result's wall seconds)."""
     tokens = sum(r.generated for r in results)
     lengths = [n for r in results for n in r.block_drafted]
-    hist = {str(n): lengths.count(n) for n in sorted(set(lengths))}
+    hist = {str(n): c for n, c in sorted(Counter(lengths).items())}
     rounds = sum(r.rounds for r in results)
     drafted = sum(r.drafted for r in results)
     accepted = sum(r.accepted for r in results)

@@ -66,18 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @torch.inference_mode()
-def sequence_loglik(verifier, prompt: Sequence[int], tokens: Sequence[int]) -> float:
-    """The verifier's total log-likelihood (T = 1) of `tokens` after `prompt`."""
-    if not tokens:
-        return 0.0
-    ids = torch.tensor([list(prompt) + list(tokens)], device=verifier.device)
-    logp = verifier(input_ids=ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
-    return float(logp.gather(-1, torch.tensor(tokens, device=logp.device).view(-1, 1)).sum())
-
-
-@torch.inference_mode()
 def sequence_quality(verifier, prompt: Sequence[int], tokens: Sequence[int], params) -> SequenceQuality:
-    """The verifier's NLL of `tokens` after `prompt` and exact decoding's expected NLL at the same prefixes."""
+    """The verifier's NLL (T = 1) of `tokens` after `prompt` (minus it: their total log-likelihood, which
+    the win-tie rate compares) and exact decoding's expected NLL at the same prefixes."""
     if not tokens:
         return SequenceQuality(0, 0.0, 0.0)
     ids = torch.tensor([list(prompt) + list(tokens)], device=verifier.device)
@@ -201,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
             quality.append(sequence_quality(verifier_model, ids, r.token_ids, params))
             short = configs[name](ids, replace(cfg, max_new_tokens=args.winrate_tokens, eos_token_ids=()))
-            lls.append(sequence_loglik(verifier_model, ids, short.token_ids))
+            lls.append(-sequence_quality(verifier_model, ids, short.token_ids, params).nll)
     rows: Dict[str, Dict] = {}
     for name, (results, quality, lls) in per_config.items():
         tokens = sum(r.generated for r in results)
