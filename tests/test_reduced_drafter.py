@@ -8,7 +8,7 @@ import torch
 from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
 from steerspec.models import cached_lm, load_model
 from steerspec.models.kv import FastCachedLM
-from steerspec.models.reduced import MASKED_LOGIT, init_from_verifier, is_reduced_dir, load_reduced, save_drafter
+from steerspec.models.reduced import MASKED_LOGIT, init_from_verifier, masked_logit, is_reduced_dir, load_reduced, save_drafter
 from steerspec.policies import FixedK
 from steerspec.sampling import SamplingParams
 from steerspec.train.loop import LoopConfig, support_index, train
@@ -46,6 +46,20 @@ def test_q_is_a_full_distribution_that_is_zero_outside_the_support(tiny_verifier
     assert torch.all(q[..., outside] == 0)
     assert torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]))
     assert torch.all(logits[..., outside] == MASKED_LOGIT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_reduced_head_masks_with_a_value_its_dtype_holds(tiny_verifier, support, dtype):
+    """float16 cannot hold MASKED_LOGIT (−1e9): the head masks with −32752 there, still exactly 0 after
+    softmax (`--dtype float16` used to fail on a reduced drafter)."""
+    drafter = init_from_verifier(tiny_verifier, str(tiny_verifier), support, [0, 3]).to(dtype)
+    logits = drafter(torch.tensor([[1, 5, 7, 2]])).logits
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[support] = False
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert torch.all(logits[..., outside] == masked_logit(dtype))
+    assert torch.all(logits.float().softmax(-1)[..., outside] == 0)
+    assert masked_logit(torch.float32) == MASKED_LOGIT
 
 
 def test_export_holds_only_own_weights_and_loads_exactly(tiny_verifier, support, tmp_path):

@@ -109,6 +109,10 @@ def test_labels_and_rates():
     tp, fn, fp, tn = F.confusion(torch.tensor([1, 1, 0, 0]), F.acceptable(q, p))
     assert (tp, fn, fp, tn) == (1, 1, 1, 1)
     assert F.rates(tp, fn, fp, tn) == (0.5, 0.5)
+    soft = F.soft_target(q / p, lam=1.0)  # min(1, p/q): the chance the exact rule accepts x
+    assert soft.tolist() == pytest.approx([1.0, 0.8, 0.0, 1.0])
+    assert torch.equal(soft == 1.0, F.acceptable(q, p))  # 1 exactly where the binary label holds
+    assert F.soft_target(q / p, lam=1.3).tolist() == pytest.approx([1.0, 1.0, 0.0, 1.0])
 
 
 def test_head_save_load_round_trip(tmp_path):
@@ -300,6 +304,14 @@ def test_train_sprinter_is_seeded_and_resumable(capsys, tiny_pair, tmp_path):
         assert torch.equal(value, b.head.state_dict()[key]), key
     code, _, err = _cli(capsys, *common, "--threshold", "1.2")
     assert code == 2 and "--threshold" in err
+    # soft labels on the same cached features: the binary checkpoint there is not resumed
+    code, out, _ = _cli(capsys, *common, "--epochs", "3", "--labels", "soft", "--out", str(tmp_path / "s"),
+                        "--work", str(tmp_path / "wa"))
+    assert code == 0
+    soft = load_head(tmp_path / "s")
+    assert soft.meta["labels"] == "soft" and a.meta["labels"] == "binary" and len(soft.meta["losses"]) == 3
+    assert soft.meta["losses"] != a.meta["losses"] and "--labels soft" in soft.meta["command"]
+    assert "min(1, λ·p(x)/q(x))" in (tmp_path / "s" / "MODEL_CARD.md").read_text()
 
 
 def test_an_sd2_drafter_labels_its_sprinter_tokens_steered():

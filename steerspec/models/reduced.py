@@ -23,6 +23,12 @@ WEIGHTS_NAME = "drafter.safetensors"
 MASKED_LOGIT = -1e9  # softmax gives exactly 0; finite so isfinite checks and temperature scaling hold
 
 
+def masked_logit(dtype: torch.dtype) -> float:
+    """MASKED_LOGIT where `dtype` holds it, else half its most negative value (float16: −32752, where −1e9 used to
+    make `--dtype float16` fail): still exactly 0 after softmax (sampling scales by temperature in float32)."""
+    return max(MASKED_LOGIT, torch.finfo(dtype).min / 2)
+
+
 class ReducedHead(nn.Module):
     """Logits for `support` tokens (rows of the verifier's embedding), scattered into the full vocabulary."""
 
@@ -42,7 +48,7 @@ class ReducedHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         small = self.reduced(hidden)
-        out = small.new_full(small.shape[:-1] + (self.vocab_size,), MASKED_LOGIT)
+        out = small.new_full(small.shape[:-1] + (self.vocab_size,), masked_logit(small.dtype))
         out.index_copy_(-1, self.support, small)
         return out
 

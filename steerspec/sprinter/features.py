@@ -38,6 +38,12 @@ def acceptable(q_x: Tensor, p_x: Tensor, lam: float = 1.0) -> Tensor:
     return q_x <= lam * p_x
 
 
+def soft_target(ratio: Tensor, lam: float = 1.0) -> Tensor:
+    """The soft label min(1, λ·p(x)/q(x)) from the ratio q/p: at λ = 1 the probability that the exact rule
+    accepts x. Equals 1 exactly where `acceptable` holds, and shrinks with how far q over-produces x."""
+    return (lam / ratio.float().clamp_min(1e-30)).clamp(max=1.0)
+
+
 def confusion(predicted: Tensor, label: Tensor) -> Tuple[int, int, int, int]:
     """(TP, FN, FP, TN) with positive = acceptable: predicted keep on an acceptable token is a TP."""
     predicted, label = predicted.bool(), label.bool()

@@ -3,8 +3,9 @@
 Labels come from teacher-forced windows of the stdlib training split: at each position the
 drafter's draft distribution q (T = 1, its top --draft-top-k plus the spread tail, exactly what
 decoding samples from) draws a token x, and x is acceptable when q(x)/p(x) ≤ λ under the
-verifier's p. Features are the drafter's only (features.py). A small MLP is trained with BCE,
-seeded and resumable (WORK/checkpoint.pt, features cached in WORK/features.pt); it reports
+verifier's p. Features are the drafter's only (features.py). A small MLP is trained with BCE on
+those labels (class-balanced), or with --labels soft on min(1, λ·p(x)/q(x)) (the probability that the
+exact rule accepts x: the head then ranks tokens by how much mass keeping them moves), seeded and resumable (WORK/checkpoint.pt, features cached in WORK/features.pt); it reports
 held-out ROC AUC and η_TP / η_FP at --threshold, writes roc.png, and exports the head with a
 model card to --out (default: DRAFTER/sprinter, where decoding looks for it).
 """
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="resumable state: cached features + checkpoint (default /tmp/steerspec-sprinter-NAME)")
     parser.add_argument("--lambda", dest="lam", type=float, default=1.0,
                         help="label x acceptable when q(x)/p(x) <= lambda (paper: 1, 1.2, 1.5; default 1)")
+    parser.add_argument("--labels", choices=("binary", "soft"), default="binary",
+                        help="binary: q/p <= lambda (the paper's); soft: min(1, lambda*p/q), the chance the "
+                             "exact rule accepts x (default binary)")
     parser.add_argument("--threshold", type=float, default=0.5, help="keep a token when P(acceptable) >= this")
     parser.add_argument("--train-tokens", type=int, default=60000, help="labelled training tokens")
     parser.add_argument("--heldout-tokens", type=int, default=10000, help="labelled held-out tokens")
@@ -126,6 +130,17 @@ def label_windows(verifier, drafter, windows: List[List[int]], draft_top_k: int,
     return {"x": torch.cat(feats), "y": torch.cat(labels), "ratio": torch.cat(ratios)}
 
 
+def training_target(data: Dict[str, torch.Tensor], labels: str, lam: float) -> torch.Tensor:
+    """The BCE target per token: the binary label, or the soft min(1, λ·p/q) from the cached ratio q/p."""
+    from steerspec.sprinter.features import soft_target
+
+    return data["y"].float() if labels == "binary" else soft_target(data["ratio"], lam)
+
+
+def _checkpoint_labels(path: Path) -> str:
+    return torch.load(path, map_location="cpu", weights_only=False).get("extra", {}).get("labels", "binary")
+
+
 def _fit(head, data, args, work: Path, resume: bool) -> List[float]:
     """BCE training over shuffled mini-batches; checkpoint per epoch; returns per-epoch loss."""
     from steerspec.train._common import load_checkpoint, progress, save_checkpoint
@@ -134,13 +149,15 @@ def _fit(head, data, args, work: Path, resume: bool) -> List[float]:
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = work / "checkpoint.pt"
     start, losses = 0, []
-    if resume and ckpt.exists():
+    # resume only a checkpoint trained on the same kind of label (one from before --labels was binary)
+    if resume and ckpt.exists() and _checkpoint_labels(ckpt) == args.labels:
         state = load_checkpoint(ckpt, head, opt, gen)
         start, losses = state["step"], list(state["extra"].get("losses", []))
-    x, y = data["x"], data["y"].float()
-    pos = float(y.mean())
-    # balance the classes so the 0.5 threshold sits between them
-    pos_weight = torch.tensor((1 - pos) / max(pos, 1e-6))
+    x, y = data["x"], training_target(data, args.labels, args.lam)
+    pos_weight = None
+    if args.labels == "binary":  # balance the classes so the 0.5 threshold sits between them
+        pos = float(y.mean())
+        pos_weight = torch.tensor((1 - pos) / max(pos, 1e-6))
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
     steps_per_epoch = max(1, (len(x) + args.batch_size - 1) // args.batch_size)
     bar = progress(args.epochs * steps_per_epoch, initial=start * steps_per_epoch, desc="train sprinter")
@@ -156,7 +173,7 @@ def _fit(head, data, args, work: Path, resume: bool) -> List[float]:
             total += float(loss.detach()) * len(idx)
             bar.update(1)
         losses.append(total / len(x))
-        save_checkpoint(ckpt, head, opt, epoch + 1, gen, {"losses": losses})
+        save_checkpoint(ckpt, head, opt, epoch + 1, gen, {"losses": losses, "labels": args.labels})
     bar.close()
     return losses
 
@@ -211,9 +228,9 @@ position that sampled x, the input embedding of x, q(x), log q(x) and the entrop
 
 - Architecture: LayerNorm({feature_dim}) → Linear({feature_dim}, {hidden}) → GELU → Linear({hidden}, 1);
   {params} parameters.
-- Labels: λ = {lam}; teacher-forced windows of {seq_len} tokens from the stdlib training split,
+- Labels: {labels_line}; teacher-forced windows of {seq_len} tokens from the stdlib training split,
   x drawn from the drafter's draft distribution at T = 1 (top {draft_top_k} + spread tail).
-- Training: {train_tokens} tokens, {epochs} epochs, AdamW lr {lr}, class-balanced BCE, seed {seed}.
+- Training: {train_tokens} tokens, {epochs} epochs, AdamW lr {lr}, {loss_line}, seed {seed}.
 - Held-out ({heldout_tokens} tokens from held-out files): ROC AUC {roc_auc:.3f}; at threshold
   {threshold:g}: η_TP = {eta_tp:.3f}, η_FP = {eta_fp:.3f}; acceptable fraction {acceptable_fraction:.3f}.
 - Made by: `{command}`
@@ -281,11 +298,12 @@ def run(args: argparse.Namespace) -> int:
     title = f"SPRINTER head: {ddir.name} vs {vdir.name} (λ={args.lam:g}, held-out)"
     out.mkdir(parents=True, exist_ok=True)
     write_roc(head, data["heldout"], out / "roc.png", args.threshold, title)
-    command = ("steerspec train sprinter --verifier {} --drafter {} --lambda {:g} --train-tokens {} "
-               "--heldout-tokens {} --epochs {} --seed {}").format(args.verifier, args.drafter, args.lam,
-                                                                   args.train_tokens, args.heldout_tokens,
-                                                                   args.epochs, args.seed)
-    meta = {"verifier": vdir.name, "drafter": ddir.name, "lambda": args.lam, "threshold": args.threshold,
+    command = ("steerspec train sprinter --verifier {} --drafter {} --lambda {:g}{} --train-tokens {} "
+               "--heldout-tokens {} --epochs {} --seed {}").format(
+        args.verifier, args.drafter, args.lam, "" if args.labels == "binary" else f" --labels {args.labels}",
+        args.train_tokens, args.heldout_tokens, args.epochs, args.seed)
+    meta = {"verifier": vdir.name, "drafter": ddir.name, "lambda": args.lam, "labels": args.labels,
+            "threshold": args.threshold,
             "draft_top_k": args.draft_top_k, "seq_len": args.seq_len, "seed": args.seed,
             "heldout": metrics, "train": train_metrics, "losses": [round(x, 6) for x in losses],
             "command": command}
@@ -293,7 +311,12 @@ def run(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in head.parameters())
     (out / "MODEL_CARD.md").write_text(MODEL_CARD.format(
         drafter=ddir.name, verifier=vdir.name, feature_dim=head.feature_dim, hidden=head.hidden, params=params,
-        lam=args.lam, seq_len=args.seq_len, draft_top_k=args.draft_top_k, train_tokens=len(data["train"]["y"]),
+        labels_line=(f"acceptable when q(x)/p(x) ≤ λ = {args.lam:g}" if args.labels == "binary" else
+                     f"soft, min(1, λ·p(x)/q(x)) with λ = {args.lam:g} (the chance that the exact rule accepts "
+                     f"x), so the head predicts that chance and the threshold is a floor on it; the η's below "
+                     f"use the binary label q(x)/p(x) ≤ λ"),
+        loss_line="class-balanced BCE" if args.labels == "binary" else "BCE on the soft labels",
+        seq_len=args.seq_len, draft_top_k=args.draft_top_k, train_tokens=len(data["train"]["y"]),
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
                                                       ("roc_auc", "eta_tp", "eta_fp", "acceptable_fraction")})
