@@ -74,6 +74,8 @@ for step in "${STEPS[@]}"; do
                # (1500 steps ship; SMOLLM2_DISTILL_STEPS=250 was the first, smaller build)
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
+               # SMOLLM2_STEER_LR: a peak learning rate of its own for SD²'s W_hml and W_s (default --lr)
+               if [ "$kind" = sd2 ] && [ -n "${SMOLLM2_STEER_LR:-}" ]; then extra+=(--steer-lr "$SMOLLM2_STEER_LR"); fi
                $PY -m steerspec train $cmd --data runs/smollm2/synth --verifier smollm2 --drafter smollm2-pretrained \
                  --out runs/smollm2/$kind --steps "${SMOLLM2_DISTILL_STEPS:-1500}" --batch-size 16 --lr 5e-4 \
                  --eval-every 80 --save-every 10 --seed 0 --threads "$THREADS" --device "$DEVICE" "${extra[@]}"

@@ -13,7 +13,8 @@
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 5     # build_assets.sh smollm2 --device cuda: drafters (19)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 6     # the same: their Pacer, SpecDec++, SPRINTER heads
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 7     # larger drafters from the shipped smollm2-pretrained:
-#     SMOLLM2_SYNTH_SHARDS answers' shards, SMOLLM2_DISTILL_STEPS steps; weights come back in 14 MiB pieces
+#     SMOLLM2_SYNTH_SHARDS answers' shards, SMOLLM2_DISTILL_STEPS steps (SMOLLM2_STEER_LR: SD²'s own
+#     steering learning rate); weights come back in 14 MiB pieces
 # $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
 set -uo pipefail
 PART=${1:?usage: gpu_check.sh 1|2|3}
