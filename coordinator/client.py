@@ -78,7 +78,8 @@ class Summary:
     verification: str = "exact"
     draft_compute_ms: float = 0.0  # mean per block: the drafter's own compute
     batch_size: float = 0.0  # mean per block: blocks in the verifier's forward pass
-    # lossy sessions: measured eta_tp/eta_fp, Theorem 1's tv_bound, mean vs Theorem 2's expected run length
+    # lossy sessions: measured eta_tp/eta_fp, Theorem 1's tv_bound beside the measured deviation (tv_measured),
+    # mean vs Theorem 2's expected run length
     sprinter: Optional[Dict[str, float]] = None
 
     @classmethod
@@ -103,7 +104,8 @@ def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[st
         return None
     t = msg.sprinter
     return {"eta_tp": t.eta_tp, "eta_fp": t.eta_fp, "tv_pq": t.tv_pq, "tv_bound": t.tv_bound,
-            "mean_run_length": t.mean_run_length, "expected_run_length": t.expected_run_length}
+            "tv_measured": t.tv_measured, "mean_run_length": t.mean_run_length,
+            "expected_run_length": t.expected_run_length}
 
 
 Item = Union[Chunk, Summary]

@@ -293,7 +293,7 @@ def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> W
 def encode_labels(labels) -> common_pb2.SprinterLabels:
     """A run's `sprinter.labels.RunLabels` as VerifyResult.sprinter."""
     return common_pb2.SprinterLabels(tp=labels.tp, fn=labels.fn, fp=labels.fp, tn=labels.tn, r=labels.r,
-                                     tv_pq_sum=labels.tv_pq_sum)
+                                     tv_pq_sum=labels.tv_pq_sum, moved_sum=labels.moved_sum)
 
 
 def decode_labels(msg: common_pb2.SprinterLabels):
@@ -301,4 +301,4 @@ def decode_labels(msg: common_pb2.SprinterLabels):
     from steerspec.sprinter.labels import RunLabels
 
     return RunLabels(tp=int(msg.tp), fn=int(msg.fn), fp=int(msg.fp), tn=int(msg.tn), r=int(msg.r),
-                     tv_pq_sum=float(msg.tv_pq_sum))
+                     tv_pq_sum=float(msg.tv_pq_sum), moved_sum=float(msg.moved_sum))

@@ -161,6 +161,7 @@ def test_always_reject_head_equals_exact_decoding(pair, temperature):
         assert lossy.rounds == exact.rounds and lossy.accepted == exact.accepted
         assert all(n == 0 for n in lossy.run_lengths)
         assert lossy.fp == 0 and lossy.tp == 0  # it kept nothing
+        assert lossy.moved_sum == 0.0 and lossy.theory()["tv_measured"] == 0.0  # so it moved no mass
 
 
 def test_always_keep_head_calls_the_verifier_once_per_max_run(pair):
@@ -181,6 +182,11 @@ def test_always_keep_head_calls_the_verifier_once_per_max_run(pair):
     assert lossy.fn == 0 and lossy.tn == 0
     eta_tp, eta_fp = lossy.eta
     assert eta_tp == 1.0 and (eta_fp == 1.0 or lossy.fp == 0)
+    # every token kept: the measured deviation estimates d_TV(p, q) itself (Theorem 1 at η_FP = 1), the
+    # same quantity tv_pq holds in closed form; both are means over the same tokens
+    t = lossy.theory()
+    assert 0.0 < t["tv_measured"] <= 1.0 and (lossy.fp == 0) == (t["tv_measured"] == 0.0)
+    assert abs(t["tv_measured"] - t["tv_pq"]) < 0.25
 
 
 def test_sprinter_result_is_marked_lossy(pair):
@@ -190,7 +196,8 @@ def test_sprinter_result_is_marked_lossy(pair):
     result = sprinter_generate(verifier, drafter, prompts[1], config, head, threshold=0.5, max_run=6, tokenizer=tok)
     payload = result.to_json()
     assert payload["lossy"] is True and payload["verification"] == "sprinter" and payload["mode"] == "sprinter"
-    assert set(payload["sprinter"]) >= {"eta_tp", "eta_fp", "tv_bound", "mean_run_length", "expected_run_length"}
+    assert set(payload["sprinter"]) >= {"eta_tp", "eta_fp", "tv_bound", "tv_measured", "mean_run_length",
+                                        "expected_run_length"}
     assert "LOSSY" in result.summary()
     json.dumps(payload)
 
@@ -224,6 +231,21 @@ def test_first_token_distribution_limits():
     # keeping every token (η_FP = 1) deviates by d_TV(p, q)
     mixed = theory.first_token_distribution(p, q, torch.ones_like(q))
     assert torch.allclose(theory.tv_distance(p, mixed), theory.tv_distance(p, q), atol=1e-6)
+
+
+def test_moved_mass_is_exactly_the_deviation_from_the_verifier():
+    """d_TV(p, SPRINTER's next-token distribution) = E_{x~q}[keep(x)·(1 − min(1, p(x)/q(x)))], for hard and soft
+    keep rules: so the mean of keep·moved_mass over sampled tokens (tv_measured) is unbiased for it."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(4, 30, generator=g).softmax(-1)
+    q = torch.rand(4, 30, generator=g).pow(3).softmax(-1)
+    for keep in ((torch.rand(4, 30, generator=g) < 0.5).float(), torch.rand(4, 30, generator=g),
+                 F.acceptable(q, p).float(), torch.ones_like(q)):
+        tv = theory.tv_distance(p, theory.first_token_distribution(p, q, keep))
+        assert torch.allclose(tv, (q * keep * F.moved_mass(q, p)).sum(-1), atol=1e-6)
+    assert torch.allclose((q * F.moved_mass(q, p)).sum(-1), theory.tv_distance(p, q), atol=1e-6)
+    assert F.moved_mass(torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.4, 0.4, 0.0])).tolist() == \
+        pytest.approx([0.0, 0.2, 1.0])
 
 
 def test_first_token_distribution_matches_sampling():
@@ -339,7 +361,7 @@ def test_pooled_tally_sums_counts_and_keeps_runs_in_order():
     from steerspec.sprinter.labels import RunLabels, SprinterTally
 
     a, b = SprinterTally(max_run=4), SprinterTally(max_run=4)
-    a.add_labels(RunLabels(tp=2, fn=0, fp=1, tn=1, r=2, tv_pq_sum=0.5))
+    a.add_labels(RunLabels(tp=2, fn=0, fp=1, tn=1, r=2, tv_pq_sum=0.5, moved_sum=0.3))
     a.run_lengths.append(3)
     b.add_labels(RunLabels(tp=1, fn=1, fp=0, tn=0, r=2, tv_pq_sum=0.25))
     b.add_labels(None)  # a run with no tokens: nothing labelled
@@ -349,6 +371,7 @@ def test_pooled_tally_sums_counts_and_keeps_runs_in_order():
     assert pooled.run_lengths == [3, 1] and pooled.run_r == [2, 2] and pooled.tv_pq_sum == 0.75
     t = pooled.theory()
     assert (t["eta_tp"], t["eta_fp"], t["tv_pq"], t["tv_bound"], t["mean_run_length"]) == (0.75, 0.5, 0.125, 0.0625, 2.0)
+    assert t["tv_measured"] == 0.05  # 0.3 moved over 6 labelled tokens
 
 
 def test_bench_sprinter_runs_specdecpp_and_adaedl_beside_exact_and_sprinter(capsys, tmp_path):

@@ -149,7 +149,7 @@ def test_cli_json_through_the_services_marks_sprinter_lossy(capsys):
     in_process = json.loads(capsys.readouterr().out)
     assert in_process["token_ids"] == services["token_ids"]  # the same seed, the same tokens
     assert services["sprinter"] == in_process["sprinter"]  # eta's, Theorem 1's bound, run lengths
-    assert set(services["sprinter"]) == {"eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length",
+    assert set(services["sprinter"]) == {"eta_tp", "eta_fp", "tv_pq", "tv_bound", "tv_measured", "mean_run_length",
                                          "expected_run_length"}
 
 

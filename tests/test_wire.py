@@ -73,7 +73,7 @@ def test_sprinter_block_fields_and_labels_round_trip():
         with pytest.raises(wire.ProtocolError, match=words) as info:
             wire.decode_block(bad, VOCAB, greedy=True)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    labels = RunLabels(tp=3, fn=1, fp=2, tn=0, r=1, tv_pq_sum=0.1234567891234)
+    labels = RunLabels(tp=3, fn=1, fp=2, tn=0, r=1, tv_pq_sum=0.1234567891234, moved_sum=0.75)
     sent = common_pb2.SprinterLabels.FromString(wire.encode_labels(labels).SerializeToString())
     assert wire.decode_labels(sent) == labels and labels.labelled == 6
 

@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             t_draft = sum(r.draft_s for r in results) / max(1, sum(r.drafted for r in results))
             row.update({"threshold": float(name.split("@")[1]), "eta_tp": eta_tp, "eta_fp": eta_fp, "tv_pq": tv_pq,
                         "tv_bound": theory.tv_bound(eta_fp, tv_pq),
+                        "tv_measured": sum(r.moved_sum for r in results) / max(1, labelled),
                         "mean_run_length": statistics.mean(runs) if runs else 0.0,
                         "expected_run_length": theory.mean_expected_run_length(eta_tp, eta_fp, rs, args.max_run),
                         "draft_ms_per_token": 1000 * t_draft,
@@ -249,17 +250,17 @@ def run(args: argparse.Namespace) -> int:
             rows[name]["first_token_tv_sampled"] = sampled[name]
 
     header = ["config", "tok/call", "ms/tok", *[f"x@{r:g}ms" for r in rtts], "eta_TP", "eta_FP", "TV bnd",
-              "TV 1st", "TV smp", "run", "E[run]", "ppl ratio [95%]", "ppl excess [95%]", "drift", "win-tie"]
+              "TV meas", "TV 1st", "TV smp", "run", "E[run]", "ppl ratio [95%]", "ppl excess [95%]", "drift", "win-tie"]
     print(" | ".join(header))
     for name, row in rows.items():
         cells = [name, f"{row['tokens_per_call']:.2f}",
                  f"{row['ms_per_token_mean']:.2f}±{row['ms_per_token_std']:.2f}"]
         cells += [f"{row['speedup'][f'{r:g}']:.2f}" for r in rtts]
         if not row["lossy"]:
-            cells += ["-", "-", "-", "0", f"{row.get('first_token_tv_sampled', float('nan')):.3f}", "-", "-"]
+            cells += ["-", "-", "-", "0", "0", f"{row.get('first_token_tv_sampled', float('nan')):.3f}", "-", "-"]
         else:
             cells += [f"{row['eta_tp']:.3f}", f"{row['eta_fp']:.3f}", f"{row['tv_bound']:.3f}",
-                      f"{row['first_token_tv']:.3f}", f"{row.get('first_token_tv_sampled', float('nan')):.3f}",
+                      f"{row['tv_measured']:.3f}", f"{row['first_token_tv']:.3f}", f"{row.get('first_token_tv_sampled', float('nan')):.3f}",
                       f"{row['mean_run_length']:.2f}", f"{row['expected_run_length']:.2f}"]
         cells += [_interval(row, "ppl_ratio"), _interval(row, "ppl_excess"), _interval(row, "ppl_drift"),
                   f"{row['win_tie_rate']:.2f}"]

@@ -20,7 +20,7 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
                   ) -> Dict[str, Dict[str, Dict[str, float]]]:
     """{f"{rtt:g}": {config: {tokens, verifier_calls, wall_s, tokens_per_s, tokens_per_call, speedup}}}; SPRINTER
     configurations also carry the verifier's labels pooled over their runs (`SprinterTally.theory`: eta_tp,
-    eta_fp, tv_pq, tv_bound, mean_run_length, expected_run_length)."""
+    eta_fp, tv_pq, tv_bound, tv_measured, mean_run_length, expected_run_length)."""
     from coordinator.local import LocalCluster
     from steerspec.bench.sprinter import SPRINTER
     from steerspec.linkemu import LinkModel
@@ -67,11 +67,11 @@ async def measure(verifier, drafter, prompts: Sequence[Sequence[int]], *, seeds:
 def table(rows: Dict[str, Dict[str, Dict[str, float]]]) -> List[str]:
     """Printable lines: one per (RTT, configuration)."""
     lines = ["rtt_ms | config | tokens | verifier calls | tok/call | tok/s | speedup vs exact | eta_tp | eta_fp | "
-             "thm1 bound | run length (measured / thm2)"]
+             "thm1 bound | tv measured | run length (measured / thm2)"]
     for rtt, configs in rows.items():
         for name, r in configs.items():
-            theory = (f"{r['eta_tp']:.3f} | {r['eta_fp']:.3f} | {r['tv_bound']:.3f} | "
-                      f"{r['mean_run_length']:.2f} / {r['expected_run_length']:.2f}") if "eta_tp" in r else "- | - | - | -"
+            theory = (f"{r['eta_tp']:.3f} | {r['eta_fp']:.3f} | {r['tv_bound']:.3f} | {r['tv_measured']:.3f} | "
+                      f"{r['mean_run_length']:.2f} / {r['expected_run_length']:.2f}") if "eta_tp" in r else "- | - | - | - | -"
             lines.append(f"{rtt} | {name} | {r['tokens']} | {r['verifier_calls']} | {r['tokens_per_call']:.2f} | "
                          f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {theory}")
     return lines

@@ -59,7 +59,7 @@ class SprinterResult(GenerationResult):
             self.tally = SprinterTally(max_run=self.max_run)
 
     tp, fn, fp, tn = _tallied("tp"), _tallied("fn"), _tallied("fp"), _tallied("tn")
-    tv_pq_sum, labelled = _tallied("tv_pq_sum"), _tallied("labelled")
+    tv_pq_sum, moved_sum, labelled = _tallied("tv_pq_sum"), _tallied("moved_sum"), _tallied("labelled")
     run_lengths, run_r = _tallied("run_lengths"), _tallied("run_r")
 
     @property

@@ -44,6 +44,12 @@ def soft_target(ratio: Tensor, lam: float = 1.0) -> Tensor:
     return (lam / ratio.float().clamp_min(1e-30)).clamp(max=1.0)
 
 
+def moved_mass(q_x: Tensor, p_x: Tensor) -> Tensor:
+    """1 − min(1, p(x)/q(x)): the mass keeping x unverified moves off the verifier's distribution. Its mean over
+    x ~ q weighted by the keep rule is exactly d_TV(p, SPRINTER's distribution) at that position."""
+    return (1.0 - p_x / q_x.clamp_min(1e-30)).clamp_min(0.0)
+
+
 def confusion(predicted: Tensor, label: Tensor) -> Tuple[int, int, int, int]:
     """(TP, FN, FP, TN) with positive = acceptable: predicted keep on an acceptable token is a TP."""
     predicted, label = predicted.bool(), label.bool()

@@ -20,7 +20,8 @@ from steerspec.sprinter import theory
 
 @dataclass
 class RunLabels:
-    """One run's confusion counts, r (acceptable tokens before the first unacceptable) and Σ d_TV(p, q)."""
+    """One run's confusion counts, r (acceptable tokens before the first unacceptable), Σ d_TV(p, q) and the
+    mass its kept tokens moved, Σ_kept 1 − min(1, p(x)/q(x))."""
 
     tp: int = 0
     fn: int = 0
@@ -28,6 +29,7 @@ class RunLabels:
     tn: int = 0
     r: int = 0
     tv_pq_sum: float = 0.0
+    moved_sum: float = 0.0
 
     @property
     def labelled(self) -> int:
@@ -43,6 +45,7 @@ def label_run(block: DraftBlock, kept: Sequence[bool], probs, logits, vocab: int
     tokens = block.tokens[0].to(logits.device)
     if probs is None:  # greedy: acceptable means the verifier's argmax
         label = logits[:j].argmax(-1) == tokens
+        passes = label.float()  # the exact rule's acceptance of x: 1 or 0
         q_dense = torch.nn.functional.one_hot(tokens, vocab).float()
         p_dense = torch.nn.functional.one_hot(logits[:j].argmax(-1), vocab).float()
     else:
@@ -50,12 +53,14 @@ def label_run(block: DraftBlock, kept: Sequence[bool], probs, logits, vocab: int
         q_x = q.prob_of(tokens)
         p_x = probs[:j].gather(-1, tokens.view(-1, 1)).squeeze(-1)
         label = F.acceptable(q_x, p_x.to(q_x.dtype), lam)
+        passes = 1.0 - F.moved_mass(q_x.float(), p_x.float())
         q_dense, p_dense = q.to_dense(vocab).float(), probs[:j].float()
     predicted = torch.tensor(list(kept), dtype=torch.bool, device=label.device)
     tp, fn, fp, tn = F.confusion(predicted, label)
     bad = (~label).nonzero()
     return RunLabels(tp=tp, fn=fn, fp=fp, tn=tn, r=int(bad[0]) if len(bad) else j,
-                     tv_pq_sum=float(theory.tv_distance(p_dense, q_dense).sum()))
+                     tv_pq_sum=float(theory.tv_distance(p_dense, q_dense).sum()),
+                     moved_sum=float(((1.0 - passes) * predicted.float()).sum()))
 
 
 @dataclass
@@ -68,6 +73,7 @@ class SprinterTally:
     fp: int = 0
     tn: int = 0
     tv_pq_sum: float = 0.0  # Σ d_TV(p, q) over the labelled tokens (Theorem 1's factor)
+    moved_sum: float = 0.0  # Σ over kept tokens of 1 − min(1, p/q): the measured deviation Theorem 1 bounds
     labelled: int = 0
     run_lengths: List[int] = field(default_factory=list)  # tokens the classifier kept, per run
     run_r: List[int] = field(default_factory=list)  # per labelled run: acceptable tokens before the first unacceptable
@@ -77,6 +83,7 @@ class SprinterTally:
         self.tp, self.fn, self.fp, self.tn = (self.tp + other.tp, self.fn + other.fn, self.fp + other.fp,
                                               self.tn + other.tn)
         self.tv_pq_sum += other.tv_pq_sum
+        self.moved_sum += other.moved_sum
         self.labelled += other.labelled
 
     def add_labels(self, labels: Optional[RunLabels]) -> None:
@@ -107,10 +114,12 @@ class SprinterTally:
         expected = theory.mean_expected_run_length(eta_tp, eta_fp, self.run_r, self.max_run)
         return {"eta_tp": round(eta_tp, 6), "eta_fp": round(eta_fp, 6), "tv_pq": round(tv_pq, 6),
                 "tv_bound": round(theory.tv_bound(eta_fp, tv_pq), 6),
+                "tv_measured": round(self.moved_sum / self.labelled if self.labelled else 0.0, 6),
                 "mean_run_length": round(mean_run, 6), "expected_run_length": round(expected, 6)}
 
 
 def theory_line(t: Dict[str, float]) -> str:
     """`SprinterTally.theory()` on one line (the summaries' LOSSY line)."""
     return (f"eta_tp={t['eta_tp']:.3f} eta_fp={t['eta_fp']:.3f} tv_bound={t['tv_bound']:.4f} "
+            f"tv_measured={t['tv_measured']:.4f} "
             f"run_length={t['mean_run_length']:.2f} (theorem 2: {t['expected_run_length']:.2f})")

@@ -61,20 +61,22 @@ class DraftBlock(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ..., head_kept: _Optional[int] = ..., sprinter_lambda: _Optional[float] = ...) -> None: ...
 
 class SprinterLabels(_message.Message):
-    __slots__ = ("tp", "fn", "fp", "tn", "r", "tv_pq_sum")
+    __slots__ = ("tp", "fn", "fp", "tn", "r", "tv_pq_sum", "moved_sum")
     TP_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     FP_FIELD_NUMBER: _ClassVar[int]
     TN_FIELD_NUMBER: _ClassVar[int]
     R_FIELD_NUMBER: _ClassVar[int]
     TV_PQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    MOVED_SUM_FIELD_NUMBER: _ClassVar[int]
     tp: int
     fn: int
     fp: int
     tn: int
     r: int
     tv_pq_sum: float
-    def __init__(self, tp: _Optional[int] = ..., fn: _Optional[int] = ..., fp: _Optional[int] = ..., tn: _Optional[int] = ..., r: _Optional[int] = ..., tv_pq_sum: _Optional[float] = ...) -> None: ...
+    moved_sum: float
+    def __init__(self, tp: _Optional[int] = ..., fn: _Optional[int] = ..., fp: _Optional[int] = ..., tn: _Optional[int] = ..., r: _Optional[int] = ..., tv_pq_sum: _Optional[float] = ..., moved_sum: _Optional[float] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter")

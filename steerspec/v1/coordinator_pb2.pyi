@@ -114,7 +114,7 @@ class GenerationSummary(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., block_efficiency: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[float]] = ..., tokens_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bytes_up: _Optional[float] = ..., bytes_down: _Optional[float] = ..., stage_ms: _Optional[_Union[StageTimes, _Mapping]] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., trace_id: _Optional[str] = ..., lossy: _Optional[bool] = ..., verification: _Optional[str] = ..., sprinter: _Optional[_Union[SprinterTheory, _Mapping]] = ..., draft_compute_ms: _Optional[float] = ..., batch_size: _Optional[float] = ...) -> None: ...
 
 class SprinterTheory(_message.Message):
-    __slots__ = ("eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length", "expected_run_length", "labelled")
+    __slots__ = ("eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length", "expected_run_length", "labelled", "tv_measured")
     ETA_TP_FIELD_NUMBER: _ClassVar[int]
     ETA_FP_FIELD_NUMBER: _ClassVar[int]
     TV_PQ_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class SprinterTheory(_message.Message):
     MEAN_RUN_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_RUN_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LABELLED_FIELD_NUMBER: _ClassVar[int]
+    TV_MEASURED_FIELD_NUMBER: _ClassVar[int]
     eta_tp: float
     eta_fp: float
     tv_pq: float
@@ -129,7 +130,8 @@ class SprinterTheory(_message.Message):
     mean_run_length: float
     expected_run_length: float
     labelled: int
-    def __init__(self, eta_tp: _Optional[float] = ..., eta_fp: _Optional[float] = ..., tv_pq: _Optional[float] = ..., tv_bound: _Optional[float] = ..., mean_run_length: _Optional[float] = ..., expected_run_length: _Optional[float] = ..., labelled: _Optional[int] = ...) -> None: ...
+    tv_measured: float
+    def __init__(self, eta_tp: _Optional[float] = ..., eta_fp: _Optional[float] = ..., tv_pq: _Optional[float] = ..., tv_bound: _Optional[float] = ..., mean_run_length: _Optional[float] = ..., expected_run_length: _Optional[float] = ..., labelled: _Optional[int] = ..., tv_measured: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "summary")
