@@ -5,7 +5,8 @@ drafter's draft distribution q (T = 1, its top --draft-top-k plus the spread tai
 decoding samples from) draws a token x, and x is acceptable when q(x)/p(x) ≤ λ under the
 verifier's p. Features are the drafter's only (features.py). A small MLP is trained with BCE on
 those labels (class-balanced), or with --labels soft on min(1, λ·p(x)/q(x)) (the probability that the
-exact rule accepts x: the head then ranks tokens by how much mass keeping them moves), seeded and resumable (WORK/checkpoint.pt, features cached in WORK/features.pt); it reports
+exact rule accepts x: the head then ranks tokens by how much mass keeping them moves), seeded and
+resumable (WORK/checkpoint.pt, features cached in WORK/features.pt); it reports
 held-out ROC AUC and η_TP / η_FP at --threshold, writes roc.png, and exports the head with a
 model card to --out (default: DRAFTER/sprinter, where decoding looks for it).
 """
