@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.sampling import SamplingParams, probs_from_logits
     from steerspec.sprinter import theory
     from steerspec.sprinter.decoding import sprinter_generate
+    from steerspec.sprinter.labels import SprinterTally
     from steerspec.sprinter.head import resolve_head
     from steerspec.steering.io import has_steering
     from steerspec.steering.runtime import maybe_steering
@@ -207,22 +208,16 @@ def run(args: argparse.Namespace) -> int:
                "_quality": quality,
                "lossy": name.startswith(SPRINTER)}
         if row["lossy"]:
-            tp, fn, fp, tn = (sum(getattr(r, f) for r in results) for f in ("tp", "fn", "fp", "tn"))
-            eta_tp = tp / (tp + fn) if tp + fn else 0.0
-            eta_fp = fp / (fp + tn) if fp + tn else 0.0
-            labelled = sum(r.labelled for r in results)
-            tv_pq = sum(r.tv_pq_sum for r in results) / max(1, labelled)
-            runs = [n for r in results for n in r.run_lengths]
-            rs = [x for r in results for x in r.run_r]
+            # the η's, Theorem 1's bound, the measured deviation and the run lengths: the tally's own figures,
+            # pooled over the row's sequences (as the services bench and the summaries report them)
+            tally = SprinterTally.pooled([r.tally for r in results], args.max_run)
+            eta_tp, eta_fp = tally.eta
             t_draft = sum(r.draft_s for r in results) / max(1, sum(r.drafted for r in results))
-            row.update({"threshold": float(name.split("@")[1]), "eta_tp": eta_tp, "eta_fp": eta_fp, "tv_pq": tv_pq,
-                        "tv_bound": theory.tv_bound(eta_fp, tv_pq),
-                        "tv_measured": sum(r.moved_sum for r in results) / max(1, labelled),
-                        "mean_run_length": statistics.mean(runs) if runs else 0.0,
-                        "expected_run_length": theory.mean_expected_run_length(eta_tp, eta_fp, rs, args.max_run),
-                        "draft_ms_per_token": 1000 * t_draft,
+            row.update(tally.theory())
+            row.update({"threshold": float(name.split("@")[1]), "draft_ms_per_token": 1000 * t_draft,
                         "expected_stop_ms": statistics.mean(theory.expected_stop_time(
-                            eta_tp, eta_fp, r, 1000 * t_draft, args.max_run) for r in rs) if rs else 0.0})
+                            eta_tp, eta_fp, r, 1000 * t_draft, args.max_run) for r in tally.run_r)
+                        if tally.run_r else 0.0})
             tvs = [first_token_tv(verifier, drafter, loaded.head, ids, base, row["threshold"], loaded.lam, steer)
                    for ids in prompts]
             row["first_token_tv"] = statistics.mean(t["tv"] for t in tvs)
