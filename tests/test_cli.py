@@ -130,7 +130,7 @@ def test_bench_engine_smoke(capsys, pair_args, tmp_path):
     methods = {r["method"] for r in data["results"]}
     assert {"verifier alone", "speculative k=1", "speculative k=2", "transformers assisted (default)",
             "transformers greedy (out-major)", "transformers assisted (default) (out-major)",
-            "speculative k=1 (no out-major copies)", "speculative k=2 (no out-major copies)"} <= methods
+            "speculative k=1 (no weight copies)", "speculative k=2 (no weight copies)"} <= methods
     assert data["summary"]["all_outputs_equal"] is True and data["summary"]["ratio_vs_assisted"] > 0
     for row in data["results"]:
         assert row["tokens_per_s"] > 0 and row["block_efficiency"] >= 1.0

@@ -1,6 +1,7 @@
-"""Out-major weight copies for passes of 2–3 rows (steerspec/models/layouts.py): same logits as the
-model's own input-major weights, one copy per model shared by its sequences, remade when a weight
-changes, and off when STEERSPEC_OUT_MAJOR_ROWS is empty."""
+"""oneDNN-packed weight copies for passes of 2 rows and more, and out-major ones for 2–3 rows where
+oneDNN is off (steerspec/models/layouts.py): same logits as the model's own input-major weights, one
+copy per model shared by its sequences, remade when a weight changes, and off when
+STEERSPEC_ONEDNN_MIN_ROWS is 0 or STEERSPEC_OUT_MAJOR_ROWS is empty."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import torch
 
 from steerspec.models import load_model
 from steerspec.models.kv import FastCachedLM
-from steerspec.models.layouts import CACHE_ATTR, ENV, is_input_major, out_major_rows
+from steerspec.models.layouts import (CACHE_ATTR, ENV, ONEDNN_ENV, PACKED_ATTR, is_input_major, is_packable,
+                                      onednn_available, onednn_min_rows, out_major_rows)
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 
 PROMPT = list(range(3, 30))
 
@@ -38,14 +42,37 @@ def test_rows_come_from_the_environment(monkeypatch):
             out_major_rows()
 
 
-def test_two_and_three_rows_use_the_copies_with_the_same_logits(verifier, monkeypatch):
+@needs_onednn
+def test_the_onednn_row_count_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ONEDNN_ENV, raising=False)
+    assert onednn_min_rows() == 2
+    monkeypatch.setenv(ONEDNN_ENV, "6")
+    assert onednn_min_rows() == 6
+    monkeypatch.setenv(ONEDNN_ENV, "0")
+    assert onednn_min_rows() == 0
+    for bad in ("four", "-1"):
+        monkeypatch.setenv(ONEDNN_ENV, bad)
+        with pytest.raises(ValueError, match=ONEDNN_ENV):
+            onednn_min_rows()
+
+
+def _plain(verifier, monkeypatch) -> FastCachedLM:
+    """The model's own weights for every pass."""
     monkeypatch.setenv(ENV, "")
+    monkeypatch.setenv(ONEDNN_ENV, "0")
     plain = FastCachedLM(verifier)
     monkeypatch.delenv(ENV)
+    monkeypatch.delenv(ONEDNN_ENV)
+    assert not plain.out_major_rows and plain.onednn_min_rows == 0
+    return plain
+
+
+def test_without_onednn_two_and_three_rows_use_the_out_major_copies_with_the_same_logits(verifier, monkeypatch):
+    plain = _plain(verifier, monkeypatch)
+    monkeypatch.setenv(ONEDNN_ENV, "0")
     fast = FastCachedLM(verifier)
     assert is_input_major(fast._plans[0][3][0])
-    for rows in (1, 4):
-        assert fast.plans_for(rows)[0] is fast._plans
+    assert fast.plans_for(1)[0] is fast._plans
     plans, head = fast.plans_for(3)
     assert plans[0][3][0].is_contiguous() and head[0].is_contiguous()
     torch.testing.assert_close(plans[0][3][0], fast._plans[0][3][0], atol=0, rtol=0)
@@ -53,7 +80,50 @@ def test_two_and_three_rows_use_the_copies_with_the_same_logits(verifier, monkey
         torch.testing.assert_close(_logits(fast, feed), _logits(plain, feed), atol=1e-4, rtol=1e-4)
 
 
-def test_sequences_share_one_copy_per_model_and_a_changed_weight_is_copied_again(verifier):
+@needs_onednn
+def test_two_rows_and_more_use_the_packed_copies_with_the_same_logits(verifier, monkeypatch):
+    plain = _plain(verifier, monkeypatch)
+    fast = FastCachedLM(verifier)
+    assert fast.onednn_min_rows == 2
+    assert fast.plans_for(1)[0] is fast._plans
+    for rows in (2, 4, 9, 40):
+        plans, head = fast.plans_for(rows)
+        assert plans[0][3][0].is_mkldnn and plans[-1][11][0].is_mkldnn and head[0].is_mkldnn
+        torch.testing.assert_close(plans[0][3][0].to_dense(), fast._plans[0][3][0], atol=0, rtol=0)
+    for feed in ([5, 6], [5, 6, 7, 8], list(range(5, 14)), PROMPT):
+        torch.testing.assert_close(_logits(fast, feed), _logits(plain, feed), atol=1e-4, rtol=1e-4)
+    # the prompt itself is a packed pass: greedy decoding from it matches the plain weights token for token
+    for lm in (fast, plain):
+        lm.reset()
+    ids = {id(fast): [], id(plain): []}
+    for lm in (fast, plain):
+        logits = lm.extend(PROMPT).logits
+        for _ in range(12):
+            token = int(logits[-1].argmax())
+            ids[id(lm)].append(token)
+            logits = lm.extend([token]).logits
+    assert ids[id(fast)] == ids[id(plain)]
+
+
+@needs_onednn
+def test_packed_copies_are_shared_per_model_and_follow_an_in_place_update(verifier):
+    first, second = FastCachedLM(verifier), FastCachedLM(verifier)
+    assert first.plans_for(4)[0][0][10][0] is second.plans_for(5)[0][0][10][0]
+    linears = {id(w) for w in first._packed.sources if is_packable(w)}  # every layer's projections and the head
+    assert len(linears) == 7 * verifier.config.num_hidden_layers + 1
+    assert set(verifier.__dict__[PACKED_ATTR]) == linears
+    feed = [5, 6, 7, 8]
+    before = _logits(first, feed)
+    up = verifier.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        up.mul_(3.0)
+    after = _logits(first, feed)
+    assert not torch.allclose(before, after, atol=1e-3)
+    torch.testing.assert_close(first.plans_for(4)[0][0][10][0].to_dense(), up, atol=0, rtol=0)
+
+
+def test_sequences_share_one_copy_per_model_and_a_changed_weight_is_copied_again(verifier, monkeypatch):
+    monkeypatch.setenv(ONEDNN_ENV, "0")
     first, second = FastCachedLM(verifier), FastCachedLM(verifier)
     assert first.plans_for(2)[0][0][10][0] is second.plans_for(2)[0][0][10][0]
     assert len(verifier.__dict__[CACHE_ATTR]) == sum(1 for p in verifier.parameters() if is_input_major(p))
@@ -75,12 +145,27 @@ def test_batched_verification_of_two_rows_matches_row_by_row(verifier):
     for lm, ref, prompt in zip(lms, refs, (PROMPT, PROMPT[:11])):
         lm.extend(prompt)
         ref.extend(prompt)
-    outs = packed_extend(lms, [[7], [9, 4]])  # 3 rows in all: the out-major copies
+    outs = packed_extend(lms, [[7], [9, 4]])  # 3 rows in all: the copies
     for out, ref, feed in zip(outs, refs, ([7], [9, 4])):
+        torch.testing.assert_close(out.logits, ref.extend(feed).logits, atol=1e-4, rtol=1e-4)
+    outs = packed_extend(lms, [[3, 8, 1], [6, 2]])  # 5 rows
+    for out, ref, feed in zip(outs, refs, ([3, 8, 1], [6, 2])):
         torch.testing.assert_close(out.logits, ref.extend(feed).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_bench_layouts_prints_both_layouts_and_the_rows_to_use(tiny_pair, tmp_path, capsys):
+def test_the_recommendation_packs_from_where_onednn_wins_at_every_larger_count():
+    from steerspec.bench.layouts import recommend
+
+    def row(n, a, b, c):
+        return {"rows": n, "input_major_ms": a, "out_major_ms": b, "onednn_ms": c}
+    table = [row(1, 45, 53, 57), row(2, 75, 63, 62), row(3, 104, 65, 68), row(4, 126, 115, 67), row(8, 133, 114, 75)]
+    assert recommend(table, 0.03, True) == ([2, 3], 4)
+    assert recommend(table, 0.03, False) == ([2, 3, 4, 8], 0)
+    table[2]["onednn_ms"] = 50.0  # wins at 3 too, but not at 2: packed from 3, out-major at 2
+    assert recommend(table, 0.03, True) == ([2], 3)
+
+
+def test_bench_layouts_prints_every_layout_and_the_settings_to_use(tiny_pair, tmp_path, capsys):
     import json
 
     from steerspec.cli import main
@@ -89,9 +174,11 @@ def test_bench_layouts_prints_both_layouts_and_the_rows_to_use(tiny_pair, tmp_pa
     assert main(["bench", "layouts", "--verifier", str(tiny_pair[0]), "--rows", "1,3", "--repeats", "2",
                  "--prompt-tokens", "8", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "input-major ms" in text and f"{ENV}=" in text
+    assert "input-major ms" in text and "oneDNN ms" in text and f"{ENV}=" in text and f"{ONEDNN_ENV}=" in text
     report = json.loads(out.read_text())
     assert [r["rows"] for r in report["table"]] == [1, 3]
-    assert all(len(report["samples"][name]["3"]) == 2 for name in ("input-major", "out-major"))
+    layouts = ("input-major", "out-major") + (("onednn",) if onednn_available() else ())
+    assert all(len(report["samples"][name]["3"]) == 2 for name in layouts)
+    assert all(r["onednn_ms"] > 0 for r in report["table"]) == onednn_available()
     assert main(["bench", "layouts", "--verifier", str(tiny_pair[0]), "--rows", "0"]) == 2
     assert "--rows" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """SD² hooks keep FastCachedLM on its fast path, with logits identical to the transformers module path
-(and, with the out-major weight copies of 2–3-row passes, equal to rounding)."""
+(and, with the out-major copies of 2–3-row passes and the oneDNN-packed ones of longer passes, equal
+to rounding)."""
 
 import torch
 
@@ -9,7 +10,7 @@ from steerspec.steering import attach_steering, load_steering
 
 
 def test_steered_fast_path_equals_module_path_and_stays_fast(monkeypatch):
-    from steerspec.models.layouts import ENV
+    from steerspec.models.layouts import ENV, ONEDNN_ENV
 
     directory = resolve_model_dir("sd2")
     model = load_model(directory)
@@ -20,9 +21,11 @@ def test_steered_fast_path_equals_module_path_and_stays_fast(monkeypatch):
         g = torch.randn(1, weights.config.verifier_hidden_size)
         prompt = torch.randint(1, model.config.vocab_size, (12,)).tolist()
         outputs = {}
-        for name, cls, rows in (("CachedLM", CachedLM, ""), ("FastCachedLM", FastCachedLM, ""),
-                                ("copies", FastCachedLM, "2,3")):
-            monkeypatch.setenv(ENV, rows)  # bitwise: the same weights as the module path; "copies": 3-row passes
+        for name, cls, rows, packed_from in (("CachedLM", CachedLM, "", "0"), ("FastCachedLM", FastCachedLM, "", "0"),
+                                             ("copies", FastCachedLM, "2,3", "4")):
+            # bitwise: the same weights as the module path; "copies": 3-row passes out-major, 12-row packed
+            monkeypatch.setenv(ENV, rows)
+            monkeypatch.setenv(ONEDNN_ENV, packed_from)
             lm = cls(model)
             with torch.inference_mode():
                 hooks.set_vector(g, steer_prefix=False)  # first block: prompt[:-1] stays unsteered

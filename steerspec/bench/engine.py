@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache backend of our engine (default: auto = graphed on CUDA, else fast when supported)")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--compare-layouts", action="store_true",
-                        help="on a CPU, also run each k whose verify pass uses the out-major weight copies "
-                             "(k + 1 in STEERSPEC_OUT_MAJOR_ROWS) without them, interleaved, to show what they give")
+                        help="on a CPU, also run each k whose verify pass reads weight copies (oneDNN-packed "
+                             "for k + 1 >= STEERSPEC_ONEDNN_MIN_ROWS, else out-major for k + 1 in "
+                             "STEERSPEC_OUT_MAJOR_ROWS) on the model's own weights, interleaved, to show what they give")
     parser.add_argument("--no-hf-out-major", action="store_true",
                         help="on a CPU, skip transformers' rows on the models' original out-major weights (by "
                              "default they run on both layouts, and the faster counts: BLAS reads one-row "
@@ -129,13 +130,20 @@ def run(args: argparse.Namespace) -> int:
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
         methods[f"speculative k={k}"] = speculative(k)
-    if args.compare_layouts and getattr(v_lm, "out_major_rows", None):
+
+    def copies(rows: int) -> bool:
+        """Whether the verifier's pass over `rows` rows reads weight copies (models/layouts.py)."""
+        return rows in getattr(v_lm, "out_major_rows", ()) or 0 < getattr(v_lm, "onednn_min_rows", 0) <= rows
+
+    if args.compare_layouts:
         plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
         for lm in (plain_v, plain_d):
-            lm.set_out_major_rows(())
+            if hasattr(lm, "set_onednn_min_rows"):
+                lm.set_out_major_rows(())
+                lm.set_onednn_min_rows(0)
         for k in ks:
-            if k + 1 in v_lm.out_major_rows:
-                methods[f"speculative k={k} (no out-major copies)"] = speculative(k, plain_v, plain_d)
+            if copies(k + 1):
+                methods[f"speculative k={k} (no weight copies)"] = speculative(k, plain_v, plain_d)
 
     default_gen = copy.deepcopy(drafter.generation_config)
     pad = eos[0] if eos else 0

@@ -28,6 +28,7 @@ from torch import Tensor
 from steerspec.models.graphed import can_graph, graphed_step
 from steerspec.models.kv import (CachedLM, FastCachedLM, StepOutput, _has_global_hooks, _hook_state, _rms_norm,
                                  _rotate_half)
+from steerspec.models.layouts import linear as kernel_linear
 
 
 def can_batch(lms: Sequence[CachedLM]) -> bool:
@@ -108,7 +109,7 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
         offset += n
     biases = _row_biases(lms)
     repeat = torch.tensor(counts, device=device)
-    linear, rms_norm, sdpa = F.linear, _rms_norm, F.scaled_dot_product_attention
+    linear, rms_norm, sdpa = kernel_linear, _rms_norm, F.scaled_dot_product_attention
     x = F.embedding(torch.cat(ids).to(device), first._embed)  # [N, D]
     captured = {}
     plans, head = first.plans_for(total)

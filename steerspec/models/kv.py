@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from steerspec.models.layouts import LayoutPlans, out_major_rows
+from steerspec.models.layouts import LayoutPlans, linear as kernel_linear, onednn_min_rows, out_major_rows, packed
 
 TokenIds = Union[Sequence[int], Tensor]
 
@@ -204,7 +204,9 @@ class FastCachedLM(CachedLM):
                 (mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias),
                 (mlp.down_proj.weight, mlp.down_proj.bias),
             ))
-        self.set_out_major_rows(out_major_rows() if self.device.type == "cpu" else frozenset())
+        cpu = self.device.type == "cpu"
+        self.set_out_major_rows(out_major_rows() if cpu else frozenset())
+        self.set_onednn_min_rows(onednn_min_rows() if cpu else 0)
 
     def set_out_major_rows(self, rows) -> None:
         """Use the out-major weight copies for passes of these row counts (see `plans_for`)."""
@@ -213,14 +215,30 @@ class FastCachedLM(CachedLM):
         if self._layouts is not None and not self._layouts.useful:
             self._layouts = None
 
+    def set_onednn_min_rows(self, rows: int) -> None:
+        """Use oneDNN-packed weight copies for passes of at least `rows` rows (0: never; see `plans_for`)."""
+        self._packed = LayoutPlans(self.model, self._plans, self._head, packed) if rows else None
+        if self._packed is not None and not self._packed.useful:
+            self._packed = None
+        self._packed_from = rows if self._packed is not None else 0
+
     @property
     def out_major_rows(self) -> "frozenset[int]":
         """The row counts whose passes read the out-major copies (empty when none are in use)."""
         return self._out_rows if self._layouts is not None else frozenset()
 
+    @property
+    def onednn_min_rows(self) -> int:
+        """The smallest pass that reads the oneDNN-packed copies (0 when none are in use)."""
+        return self._packed_from
+
     def plans_for(self, rows: int) -> "tuple[list, tuple]":
-        """(layer plans, head) for a pass over `rows` rows: the out-major weight copies where they are
-        faster (`steerspec/models/layouts.py`), else the model's own weights."""
+        """(layer plans, head) for a pass over `rows` rows: oneDNN-packed or out-major weight copies
+        where they are faster (`steerspec/models/layouts.py`), else the model's own weights. Run the
+        plans' linears with `layouts.linear`, which reads either."""
+        if self._packed is not None and rows >= self._packed_from:
+            current = self._packed.current()
+            return current.plans, current.head
         if self._layouts is not None and rows in self._out_rows:
             current = self._layouts.current()
             return current.plans, current.head
@@ -230,7 +248,7 @@ class FastCachedLM(CachedLM):
         """Final-normed hidden states -> full-vocabulary logits (`head`: this weight and bias instead)."""
         if self._head_module is not None:
             return self._head_module(normed)
-        return F.linear(normed, *(head or self._head))
+        return kernel_linear(normed, *(head or self._head))
 
     def set_up_bias(self, biases: Optional[Sequence[Optional[Tensor]]]) -> None:
         """SD² steering: add biases[l] ([intermediate]) to the up branch of layer l; None clears."""
@@ -294,7 +312,7 @@ class FastCachedLM(CachedLM):
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
         hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
         gqa = heads != kv_heads
-        linear, rms_norm = F.linear, _rms_norm
+        linear, rms_norm = kernel_linear, _rms_norm
         global_hooks = _has_global_hooks()
         up_bias = self.up_bias
         x = F.embedding(input_ids, self._embed)  # [1, n, D]

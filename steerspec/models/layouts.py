@@ -1,27 +1,34 @@
-"""The faster CPU weight layout for a product of a few rows: input-major for one row, out-major for 2–3.
+"""CPU weight layouts for a pass of a few rows: input-major for one row, oneDNN-packed (or out-major) for more.
 
 `use_input_major_weights` stores every CPU linear weight transposed because BLAS streams a one-row
-product (a decoding step) fastest that way. For two or three rows (a verify pass of k + 1 tokens at
-k = 1 or 2, a drafter's catch-up feed) the original out-major storage is faster: SmolLM2-135M on this
-project's 2-core machine, fp32, one thread, medians of 7: 2 rows 63.4 → 49.0 ms, 3 rows 64.3 → 54.1 ms,
-while one row is 43.8 against 47.4 and four rows 68.6 against 89.3 (`steerspec bench layouts`).
-So the lean forwards keep one out-major copy of each input-major weight per model, shared by every
-sequence that wraps it, and use it for those row counts. The copy is remade when its weight changes
-(a new tensor, or an in-place update that bumps its version counter). `STEERSPEC_OUT_MAJOR_ROWS`
-(comma-separated row counts) overrides the default; an empty value turns the copies off.
+product (a decoding step) fastest that way. A pass of more rows (a verify pass of k + 1 tokens, a
+drafter's catch-up feed, a batch of sessions) is another matter: MKL's small-M sgemm does not reuse a
+weight across rows on every CPU, so such a pass costs close to one step per row. The lean forwards
+therefore keep oneDNN-packed copies of the weights (`torch.ops.mkldnn._linear_pointwise`, what
+inductor's CPU freezing uses) for passes of at least `STEERSPEC_ONEDNN_MIN_ROWS` rows (default 2; 0 turns
+them off; float32 only). Measured by `steerspec bench layouts` (docs/results/real-pair.md, "oneDNN").
+Where oneDNN is off, out-major copies serve the row counts in `STEERSPEC_OUT_MAJOR_ROWS` (default 2,3;
+empty: none), as measured on an Intel 2-core VM, SmolLM2-135M, fp32, one thread: 2 rows 63.4 → 49.0 ms,
+3 rows 64.3 → 54.1 ms, one row 43.8 against 47.4. Each copy is made on first use, once per model and
+shared by every sequence that wraps it, and remade when its weight changes (a new tensor, or an
+in-place update that bumps its version counter).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 ENV = "STEERSPEC_OUT_MAJOR_ROWS"
 DEFAULT_ROWS: Tuple[int, ...] = (2, 3)
 CACHE_ATTR = "_steerspec_out_major"  # on the model: id(weight) -> (fingerprint, out-major copy)
+ONEDNN_ENV = "STEERSPEC_ONEDNN_MIN_ROWS"
+DEFAULT_ONEDNN_MIN_ROWS = 2
+PACKED_ATTR = "_steerspec_onednn"  # on the model: id(weight) -> (fingerprint, oneDNN-packed copy)
 WEIGHT_SLOTS = (3, 4, 5, 6, 9, 10, 11)  # the (weight, bias) entries of a FastCachedLM layer plan
 
 
@@ -37,6 +44,39 @@ def out_major_rows() -> FrozenSet[int]:
     if any(r < 1 for r in rows):
         raise ValueError(f"{ENV} row counts must be at least 1, got {text!r}")
     return rows
+
+
+def onednn_min_rows() -> int:
+    """The smallest pass (in rows) that reads oneDNN-packed weights: $STEERSPEC_ONEDNN_MIN_ROWS, else 4;
+    0 when they are off or this torch has no oneDNN linear."""
+    text = os.environ.get(ONEDNN_ENV)
+    try:
+        rows = DEFAULT_ONEDNN_MIN_ROWS if text is None or not text.strip() else int(text)
+    except ValueError:
+        raise ValueError(f"{ONEDNN_ENV} must be a row count (e.g. 4) or 0 for off, got {text!r}") from None
+    if rows < 0:
+        raise ValueError(f"{ONEDNN_ENV} must be at least 0 (0 turns oneDNN off), got {text!r}")
+    return rows if rows and onednn_available() else 0
+
+
+def onednn_available() -> bool:
+    """Whether this torch build packs and runs oneDNN linear weights on the CPU."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear, or oneDNN's linear when `weight` is a packed copy (`packed`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def is_packable(weight: Tensor) -> bool:
+    """A 2-D float32 CPU weight (what oneDNN packing takes here)."""
+    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and not weight.is_mkldnn and min(weight.shape) > 1)
 
 
 def is_input_major(weight: Tensor) -> bool:
@@ -64,14 +104,32 @@ def out_major(model, weight: Tensor) -> Tensor:
     return hit[1]
 
 
-class LayoutPlans:
-    """A FastCachedLM's layer plans and head with the out-major copies swapped in, rebuilt when a
-    source weight changes."""
+def packed(model, weight: Tensor) -> Tensor:
+    """The oneDNN-packed copy of a float32 CPU `weight` of `model` (same values, read by `linear`),
+    cached on the model and remade when the weight changes; `weight` itself when it cannot be packed."""
+    if not is_packable(weight):
+        return weight
+    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.setdefault(PACKED_ATTR, {})
+    key, stamp = id(weight), _fingerprint(weight)
+    hit = cache.get(key)
+    if hit is None or hit[0] != stamp:
+        with torch.inference_mode(False), torch.no_grad():
+            hit = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))  # any strides
+        cache[key] = hit
+    return hit[1]
 
-    def __init__(self, model, plans: Sequence[tuple], head: Tuple[Tensor, Optional[Tensor]]) -> None:
+
+class LayoutPlans:
+    """A FastCachedLM's layer plans and head with copies of their weights swapped in (`convert`:
+    `out_major` or `packed`), rebuilt when a source weight changes."""
+
+    def __init__(self, model, plans: Sequence[tuple], head: Tuple[Tensor, Optional[Tensor]],
+                 convert: Callable[[object, Tensor], Tensor] = out_major) -> None:
         self.model = model
+        self.convert = convert
         self.sources = [plan[slot][0] for plan in plans for slot in WEIGHT_SLOTS] + [head[0]]
-        self.useful = any(is_input_major(w) for w in self.sources)
+        useful = is_packable if convert is packed else is_input_major
+        self.useful = any(useful(w) for w in self.sources)
         self._plans, self._head = list(plans), head
         self._stamp: Optional[tuple] = None
         self.plans: list = []
@@ -81,7 +139,7 @@ class LayoutPlans:
         """Self, with its plans and head up to date with the source weights."""
         stamp = tuple(_fingerprint(w) for w in self.sources)
         if stamp != self._stamp:
-            swap = lambda pair: (out_major(self.model, pair[0]), pair[1])  # noqa: E731
+            swap = lambda pair: (self.convert(self.model, pair[0]), pair[1])  # noqa: E731
             self.plans = [tuple(swap(entry) if slot in WEIGHT_SLOTS else entry for slot, entry in enumerate(plan))
                           for plan in self._plans]
             self.head = swap(self._head)
