@@ -180,5 +180,15 @@ def test_bench_layouts_prints_every_layout_and_the_settings_to_use(tiny_pair, tm
     layouts = ("input-major", "out-major") + (("onednn",) if onednn_available() else ())
     assert all(len(report["samples"][name]["3"]) == 2 for name in layouts)
     assert all(r["onednn_ms"] > 0 for r in report["table"]) == onednn_available()
+    assert report["machine"]["onednn_min_rows"] == onednn_min_rows() and report["machine"]["torch"] == torch.__version__
     assert main(["bench", "layouts", "--verifier", str(tiny_pair[0]), "--rows", "0"]) == 2
     assert "--rows" in capsys.readouterr().err
+
+
+def test_the_host_record_names_the_cpu_model(tmp_path):
+    from steerspec.bench.host import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n")
+    assert cpu_model(info) == "AMD EPYC 7B13"
+    assert cpu_model(tmp_path / "missing") == (__import__("platform").processor() or None)

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from steerspec.bench.host import host_info
     from steerspec.cli.run import load_pair
     from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.metrics import aggregate
@@ -273,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
     payload = {
         "benchmark": "engine",
         "command": "steerspec bench engine " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "engine"] else None,
+        "machine": host_info(),
         "eval_set": args.eval_set,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

@@ -90,6 +90,7 @@ def run(args) -> int:
 
     from steerspec.models import load_model
     from steerspec.models.kv import FastCachedLM
+    from steerspec.bench.host import host_info
     from steerspec.models.layouts import ENV, ONEDNN_ENV, onednn_available
 
     rows = _parse_rows(args.rows)
@@ -131,7 +132,7 @@ def run(args) -> int:
     print(f"{ENV}={','.join(map(str, out_rows))} {ONEDNN_ENV}={packed_from}   (a copy where it is more than "
           f"{args.margin:.0%} faster{'' if 'onednn' in lms else '; no oneDNN linear in this torch build'})")
     command = "steerspec bench layouts " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "layouts"] else None
-    report = {"command": command, "threads": torch.get_num_threads(), "table": table,
+    report = {"command": command, "machine": host_info(), "threads": torch.get_num_threads(), "table": table,
               "recommended_rows": out_rows, "recommended_onednn_min_rows": packed_from, "samples": {
                   name: {str(n): [round(x, 3) for x in v] for n, v in per.items()} for name, per in samples.items()}}
     if args.out:

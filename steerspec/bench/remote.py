@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from steerspec.bench.host import host_info
 from steerspec.errors import UsageError, float_list
 
 STAGES = ("draft", "network", "queue", "verify", "overhead")
@@ -544,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"],
                    "kv_backend": args.kv_backend},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+        "machine": {**host_info(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", "")},  # the TCP transport (grpc_env)

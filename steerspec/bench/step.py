@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from steerspec.bench.host import host_info
 from steerspec.errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -290,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {"verifier": args.verifier, "drafter": args.drafter, "device": args.device, "k": args.k,
                    "temperature": args.temperature, "draft_top_k": args.draft_top_k, "prefix": args.prefix,
                    "iters": args.iters, "warmup": args.warmup},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "machine": {**host_info(), "platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "dtypes": [],

@@ -8,7 +8,7 @@ therefore keep oneDNN-packed copies of the weights (`torch.ops.mkldnn._linear_po
 inductor's CPU freezing uses) for passes of at least `STEERSPEC_ONEDNN_MIN_ROWS` rows (default 2; 0 turns
 them off; float32 only). Measured by `steerspec bench layouts` (docs/results/real-pair.md, "oneDNN").
 Where oneDNN is off, out-major copies serve the row counts in `STEERSPEC_OUT_MAJOR_ROWS` (default 2,3;
-empty: none), as measured on an Intel 2-core VM, SmolLM2-135M, fp32, one thread: 2 rows 63.4 → 49.0 ms,
+empty: none), as measured on the 2-core VM of earlier sessions, SmolLM2-135M, fp32, one thread: 2 rows 63.4 → 49.0 ms,
 3 rows 64.3 → 54.1 ms, one row 43.8 against 47.4. Each copy is made on first use, once per model and
 shared by every sequence that wraps it, and remade when its weight changes (a new tensor, or an
 in-place update that bumps its version counter).
