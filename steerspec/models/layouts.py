@@ -89,19 +89,25 @@ def _fingerprint(weight: Tensor) -> Tuple[int, int]:
     return weight.data_ptr(), weight._version
 
 
+def _cached_copy(model, attr: str, weight: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
+    """make(weight), cached on `model` under `attr` by the weight's identity and remade when the
+    weight changes (a new tensor, or an in-place update that bumps its version counter)."""
+    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.setdefault(attr, {})
+    key, stamp = id(weight), _fingerprint(weight)
+    hit = cache.get(key)
+    if hit is None or hit[0] != stamp:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, even when made inside a pass
+            hit = (stamp, make(weight.detach()))
+        cache[key] = hit
+    return hit[1]
+
+
 def out_major(model, weight: Tensor) -> Tensor:
     """The out-major contiguous copy of an input-major `weight` of `model` (same values), cached on
     the model; `weight` itself when it is not input-major."""
     if not is_input_major(weight):
         return weight
-    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.setdefault(CACHE_ATTR, {})
-    key, stamp = id(weight), _fingerprint(weight)
-    hit = cache.get(key)
-    if hit is None or hit[0] != stamp:
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, even when made inside a pass
-            hit = (stamp, weight.detach().contiguous())
-        cache[key] = hit
-    return hit[1]
+    return _cached_copy(model, CACHE_ATTR, weight, Tensor.contiguous)
 
 
 def packed(model, weight: Tensor) -> Tensor:
@@ -109,14 +115,8 @@ def packed(model, weight: Tensor) -> Tensor:
     cached on the model and remade when the weight changes; `weight` itself when it cannot be packed."""
     if not is_packable(weight):
         return weight
-    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.setdefault(PACKED_ATTR, {})
-    key, stamp = id(weight), _fingerprint(weight)
-    hit = cache.get(key)
-    if hit is None or hit[0] != stamp:
-        with torch.inference_mode(False), torch.no_grad():
-            hit = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))  # any strides
-        cache[key] = hit
-    return hit[1]
+    return _cached_copy(model, PACKED_ATTR, weight,
+                        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))  # any strides
 
 
 class LayoutPlans:
