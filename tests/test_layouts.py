@@ -192,3 +192,10 @@ def test_the_host_record_names_the_cpu_model(tmp_path):
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n")
     assert cpu_model(info) == "AMD EPYC 7B13"
     assert cpu_model(tmp_path / "missing") == (__import__("platform").processor() or None)
+
+
+def test_half_precision_weights_are_not_packed(tiny_pair):
+    model = load_model(tiny_pair[0], dtype="bfloat16")
+    lm = FastCachedLM(model)
+    assert lm.onednn_min_rows == 0 and not lm.plans_for(5)[0][0][3][0].is_mkldnn
+    assert lm.extend(PROMPT).logits.shape[0] == len(PROMPT)
