@@ -412,3 +412,18 @@ async def test_packed_fast_sessions_verify_as_the_transformers_path(model):
             accepted.append(got.accepted)
         assert [s.lm.length for s in fast] == [s.lm.length for s in slow] == [s.committed - 1 for s in fast]
     assert len(set(accepted)) > 1  # both accepting and rejecting blocks were compared
+
+
+async def test_the_weight_copies_of_multi_row_passes_are_made_before_serving(tmp_path):
+    """A fresh model's packed (or out-major) copies exist once the server is up: the first block
+    does not pay for them."""
+    from steerspec.models.layouts import CACHE_ATTR, PACKED_ATTR, onednn_min_rows
+
+    fresh = load_model(str(make_tiny_llama(tmp_path, seed=3)))
+    assert PACKED_ATTR not in fresh.__dict__ and CACHE_ATTR not in fresh.__dict__
+    srv = await start(fresh)
+    try:
+        attr = PACKED_ATTR if onednn_min_rows() else CACHE_ATTR
+        assert len(fresh.__dict__[attr]) == 7 * fresh.config.num_hidden_layers + 1
+    finally:
+        await srv.stop()

@@ -11,6 +11,7 @@ numbering); each later block must carry the previous verified seq + 1.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import grpc
 
 from steerspec import rounds
 from steerspec import wire
+from steerspec.models.kv import prepare_weight_copies
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -79,6 +81,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             self._tracing = None
 
     async def start(self) -> None:
+        # the weight copies of multi-row CPU passes, made before serving rather than in the first block
+        await asyncio.to_thread(prepare_weight_copies, self.model)
         self.batcher.start()
 
     async def close(self) -> None:
