@@ -199,3 +199,21 @@ def test_half_precision_weights_are_not_packed(tiny_pair):
     lm = FastCachedLM(model)
     assert lm.onednn_min_rows == 0 and not lm.plans_for(5)[0][0][3][0].is_mkldnn
     assert lm.extend(PROMPT).logits.shape[0] == len(PROMPT)
+
+
+def test_a_model_with_weight_copies_still_deep_copies_and_saves(verifier, tmp_path):
+    """Packed tensors cannot be copied or saved: the caches copy and pickle as empty, and the copy
+    remakes its own on use."""
+    import copy
+
+    from steerspec.models.kv import prepare_weight_copies
+
+    assert prepare_weight_copies(verifier) >= 1
+    feed = [5, 6, 7, 8]
+    expected = _logits(FastCachedLM(verifier), feed)
+    twin = copy.deepcopy(verifier)
+    assert not twin.__dict__.get(PACKED_ATTR) and not twin.__dict__.get(CACHE_ATTR)
+    torch.testing.assert_close(_logits(FastCachedLM(twin), feed), expected, atol=0, rtol=0)
+    torch.save(verifier, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    torch.testing.assert_close(_logits(FastCachedLM(loaded), feed), expected, atol=0, rtol=0)

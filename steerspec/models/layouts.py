@@ -89,10 +89,24 @@ def _fingerprint(weight: Tensor) -> Tuple[int, int]:
     return weight.data_ptr(), weight._version
 
 
+class CopyCache(dict):
+    """id(weight) -> (fingerprint, copy), kept on the model. It copies and pickles as empty: packed
+    tensors cannot be deep-copied or saved, and a copied model's weights are new tensors anyway, so
+    `copy.deepcopy(model)`, `torch.save(model)` and Ray's pickling keep working and remake on use."""
+
+    def __deepcopy__(self, memo) -> "CopyCache":
+        return CopyCache()
+
+    def __reduce__(self):
+        return CopyCache, ()
+
+
 def _cached_copy(model, attr: str, weight: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
     """make(weight), cached on `model` under `attr` by the weight's identity and remade when the
     weight changes (a new tensor, or an in-place update that bumps its version counter)."""
-    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.setdefault(attr, {})
+    cache: Dict[int, Tuple[Tuple[int, int], Tensor]] = model.__dict__.get(attr)
+    if cache is None:
+        cache = model.__dict__[attr] = CopyCache()
     key, stamp = id(weight), _fingerprint(weight)
     hit = cache.get(key)
     if hit is None or hit[0] != stamp:
