@@ -92,6 +92,20 @@ def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
             block.q.probs = block.q.probs[:k * support * 2]  # fp16 rows
 
 
+DEADLINE_SLACK_S = 0.05  # a replica error this close to the deadline is the deadline's
+
+
+def deadline_error(exc: SessionError, deadline: Optional[float], now: float) -> SessionError:
+    """`exc`, or DEADLINE_EXCEEDED when a replica's call ended INTERNAL or CANCELLED at or past the
+    generation's deadline: grpc reports a deadline that lands during a stream's write or read as
+    "Internal error from Core" on a best-effort basis (grpc/grpc#2685), and the client asked for the deadline."""
+    if deadline is None or exc.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+        return exc
+    if now < deadline - DEADLINE_SLACK_S:
+        return exc
+    return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the generation's deadline passed ({exc.message})")
+
+
 def _invalid(message: str) -> SessionError:
     return SessionError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -538,6 +552,11 @@ class SessionLoop:
                 self._record(stats, span)
                 yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted - n_kept, drafted=drafted - n_kept)
             self.result.stop_reason = finish
+        except SessionError as exc:
+            mapped = deadline_error(exc, self.deadline, time.monotonic())
+            if mapped is exc:
+                raise
+            raise mapped from exc
         finally:
             self.result.wall_s = time.perf_counter() - start
             await self._close_streams()

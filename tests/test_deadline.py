@@ -90,3 +90,18 @@ async def test_loop_deadline_inside_the_coordinator(slow_cluster):
         await slow_cluster.generate(PROMPT, max_new_tokens=200, k=2, timeout=0.4)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await assert_all_freed(slow_cluster)
+
+
+def test_a_replica_error_at_the_deadline_is_the_deadlines():
+    """grpc may report a deadline landing mid-write as INTERNAL "Internal error from Core": at or past
+    the generation's deadline the session ends DEADLINE_EXCEEDED; before it, or with another code, as is."""
+    from coordinator.loop import DEADLINE_SLACK_S, deadline_error
+
+    core = SessionError(grpc.StatusCode.INTERNAL, "verifier 127.0.0.1:1: Internal error from Core")
+    mapped = deadline_error(core, deadline=10.0, now=10.0)
+    assert mapped.code == grpc.StatusCode.DEADLINE_EXCEEDED and "Internal error from Core" in mapped.message
+    assert deadline_error(SessionError(grpc.StatusCode.CANCELLED, "x"), 10.0, 11.0).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert deadline_error(core, deadline=10.0, now=10.0 - 2 * DEADLINE_SLACK_S) is core
+    assert deadline_error(core, deadline=None, now=10.0) is core
+    invalid = SessionError(grpc.StatusCode.INVALID_ARGUMENT, "bad k")
+    assert deadline_error(invalid, deadline=10.0, now=11.0) is invalid
