@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.metrics import aggregate
     from steerspec.models import context_length, eos_token_ids, resolve_model_dir
-    from steerspec.models.kv import cached_lm
+    from steerspec.models.kv import FastCachedLM, cached_lm
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
     from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
@@ -132,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
     for k in ks:
         methods[f"speculative k={k}"] = speculative(k)
 
-    def copies(rows: int) -> bool:
-        """Whether the verifier's pass over `rows` rows reads weight copies (models/layouts.py)."""
-        return rows in getattr(v_lm, "out_major_rows", ()) or 0 < getattr(v_lm, "onednn_min_rows", 0) <= rows
-
     if args.compare_layouts:
         plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
         for lm in (plain_v, plain_d):
@@ -143,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 lm.set_out_major_rows(())
                 lm.set_onednn_min_rows(0)
         for k in ks:
-            if copies(k + 1):
+            if isinstance(v_lm, FastCachedLM) and v_lm.reads_copies(k + 1):
                 methods[f"speculative k={k} (no weight copies)"] = speculative(k, plain_v, plain_d)
 
     default_gen = copy.deepcopy(drafter.generation_config)

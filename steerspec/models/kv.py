@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from steerspec.models.layouts import LayoutPlans, linear as kernel_linear, onednn_min_rows, out_major_rows, packed
+from steerspec.models.layouts import (LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
+                                      onednn_min_rows, out_major, out_major_rows, packed)
 
 TokenIds = Union[Sequence[int], Tensor]
 
@@ -211,13 +212,14 @@ class FastCachedLM(CachedLM):
     def set_out_major_rows(self, rows) -> None:
         """Use the out-major weight copies for passes of these row counts (see `plans_for`)."""
         self._out_rows = frozenset(rows)
-        self._layouts = LayoutPlans(self.model, self._plans, self._head) if self._out_rows else None
+        self._layouts = (LayoutPlans(self.model, self._plans, self._head, out_major, is_input_major)
+                         if self._out_rows else None)
         if self._layouts is not None and not self._layouts.useful:
             self._layouts = None
 
     def set_onednn_min_rows(self, rows: int) -> None:
         """Use oneDNN-packed weight copies for passes of at least `rows` rows (0: never; see `plans_for`)."""
-        self._packed = LayoutPlans(self.model, self._plans, self._head, packed) if rows else None
+        self._packed = LayoutPlans(self.model, self._plans, self._head, packed, is_packable) if rows else None
         if self._packed is not None and not self._packed.useful:
             self._packed = None
         self._packed_from = rows if self._packed is not None else 0
@@ -232,17 +234,27 @@ class FastCachedLM(CachedLM):
         """The smallest pass that reads the oneDNN-packed copies (0 when none are in use)."""
         return self._packed_from
 
+    def _copies_for(self, rows: int) -> Optional[LayoutPlans]:
+        """The weight copies a pass over `rows` rows reads: oneDNN-packed, else out-major, else None."""
+        if self._packed is not None and rows >= self._packed_from:
+            return self._packed
+        if self._layouts is not None and rows in self._out_rows:
+            return self._layouts
+        return None
+
+    def reads_copies(self, rows: int) -> bool:
+        """Whether a pass over `rows` rows reads weight copies rather than the model's own weights."""
+        return self._copies_for(rows) is not None
+
     def plans_for(self, rows: int) -> "tuple[list, tuple]":
         """(layer plans, head) for a pass over `rows` rows: oneDNN-packed or out-major weight copies
         where they are faster (`steerspec/models/layouts.py`), else the model's own weights. Run the
         plans' linears with `layouts.linear`, which reads either."""
-        if self._packed is not None and rows >= self._packed_from:
-            current = self._packed.current()
-            return current.plans, current.head
-        if self._layouts is not None and rows in self._out_rows:
-            current = self._layouts.current()
-            return current.plans, current.head
-        return self._plans, self._head
+        copies = self._copies_for(rows)
+        if copies is None:
+            return self._plans, self._head
+        current = copies.current()
+        return current.plans, current.head
 
     def project(self, normed: Tensor, head: Optional[Tuple[Tensor, Optional[Tensor]]] = None) -> Tensor:
         """Final-normed hidden states -> full-vocabulary logits (`head`: this weight and bias instead)."""

@@ -47,7 +47,7 @@ def out_major_rows() -> FrozenSet[int]:
 
 
 def onednn_min_rows() -> int:
-    """The smallest pass (in rows) that reads oneDNN-packed weights: $STEERSPEC_ONEDNN_MIN_ROWS, else 4;
+    """The smallest pass (in rows) that reads oneDNN-packed weights: $STEERSPEC_ONEDNN_MIN_ROWS, else 2;
     0 when they are off or this torch has no oneDNN linear."""
     text = os.environ.get(ONEDNN_ENV)
     try:
@@ -135,15 +135,14 @@ def packed(model, weight: Tensor) -> Tensor:
 
 class LayoutPlans:
     """A FastCachedLM's layer plans and head with copies of their weights swapped in (`convert`:
-    `out_major` or `packed`), rebuilt when a source weight changes."""
+    `out_major` or `packed`, with `copies`: the weights it copies), rebuilt when a source weight changes."""
 
     def __init__(self, model, plans: Sequence[tuple], head: Tuple[Tensor, Optional[Tensor]],
-                 convert: Callable[[object, Tensor], Tensor] = out_major) -> None:
+                 convert: Callable[[object, Tensor], Tensor], copies: Callable[[Tensor], bool]) -> None:
         self.model = model
         self.convert = convert
         self.sources = [plan[slot][0] for plan in plans for slot in WEIGHT_SLOTS] + [head[0]]
-        useful = is_packable if convert is packed else is_input_major
-        self.useful = any(useful(w) for w in self.sources)
+        self.useful = any(copies(w) for w in self.sources)
         self._plans, self._head = list(plans), head
         self._stamp: Optional[tuple] = None
         self.plans: list = []
