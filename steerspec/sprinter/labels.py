@@ -45,7 +45,7 @@ def label_run(block: DraftBlock, kept: Sequence[bool], probs, logits, vocab: int
     tokens = block.tokens[0].to(logits.device)
     if probs is None:  # greedy: acceptable means the verifier's argmax
         label = logits[:j].argmax(-1) == tokens
-        passes = label.float()  # the exact rule's acceptance of x: 1 or 0
+        moved = (~label).float()  # greedy: the exact rule keeps x or moves all of its mass
         q_dense = torch.nn.functional.one_hot(tokens, vocab).float()
         p_dense = torch.nn.functional.one_hot(logits[:j].argmax(-1), vocab).float()
     else:
@@ -53,14 +53,14 @@ def label_run(block: DraftBlock, kept: Sequence[bool], probs, logits, vocab: int
         q_x = q.prob_of(tokens)
         p_x = probs[:j].gather(-1, tokens.view(-1, 1)).squeeze(-1)
         label = F.acceptable(q_x, p_x.to(q_x.dtype), lam)
-        passes = 1.0 - F.moved_mass(q_x.float(), p_x.float())
+        moved = F.moved_mass(q_x.float(), p_x.float())
         q_dense, p_dense = q.to_dense(vocab).float(), probs[:j].float()
     predicted = torch.tensor(list(kept), dtype=torch.bool, device=label.device)
     tp, fn, fp, tn = F.confusion(predicted, label)
     bad = (~label).nonzero()
     return RunLabels(tp=tp, fn=fn, fp=fp, tn=tn, r=int(bad[0]) if len(bad) else j,
                      tv_pq_sum=float(theory.tv_distance(p_dense, q_dense).sum()),
-                     moved_sum=float(((1.0 - passes) * predicted.float()).sum()))
+                     moved_sum=float((moved * predicted.float()).sum()))
 
 
 @dataclass
