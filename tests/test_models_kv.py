@@ -178,3 +178,22 @@ def test_input_major_cpu_layout_keeps_values_ties_and_saves(model_pair, tmp_path
     again = load_model(tmp_path / "exported", cpu_layout=False)
     for (name, a), (_, b) in zip(plain.named_parameters(), again.named_parameters()):
         torch.testing.assert_close(b, a.half().float(), atol=0, rtol=0, msg=name)
+
+
+def test_the_hf_backend_passes_its_cache_by_the_name_this_transformers_takes(loaded_pair):
+    """transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40): the HF
+    backend and the synthetic-data sampler use whichever name the installed forward declares."""
+    import inspect
+    import warnings
+
+    from steerspec.models.loading import cache_kwarg
+
+    model = loaded_pair[0]
+    name = cache_kwarg(model)
+    assert name in inspect.signature(model.forward).parameters
+    lm = cached_lm(model, "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        lm.extend([3, 4, 5])
+        lm.extend([6])
+    assert lm.length == 4

@@ -124,6 +124,8 @@ class HFFloor:
 
         from transformers import StaticCache
 
+        from steerspec.models.loading import cache_kwarg
+
         self.device = model.device
         capacity = prefix + n * (calls + 2)
         try:
@@ -132,7 +134,7 @@ class HFFloor:
             self.cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=capacity,
                                      device=self.device, dtype=model.dtype)
         params = inspect.signature(model.forward).parameters
-        key = "cache" if "cache" in params else "past_key_values"
+        key = cache_kwarg(model)
         fixed = "cache_position" in params
         ids = torch.arange(3, 3 + prefix, device=self.device).view(1, -1) % model.config.vocab_size
         extra = {"cache_position": torch.arange(prefix, device=self.device)} if fixed else {}

@@ -48,8 +48,11 @@ class CachedLM:
     def __init__(self, model) -> None:
         from transformers import DynamicCache
 
+        from steerspec.models.loading import cache_kwarg
+
         self.model = model
         self.device = model.device
+        self._cache_arg = cache_kwarg(model)
         self._cache_cls = DynamicCache
         self.cache = DynamicCache(config=model.config)
         self.length = 0
@@ -112,7 +115,7 @@ class CachedLM:
             self._ensure_hooks(hidden_layers)
             self._want = frozenset(hidden_layers)
         try:
-            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: self.cache},
                              logits_to_keep=logits_to_keep, output_hidden_states=self.keep_last_hidden)
         except BaseException:
             # a failed forward may leave a partial cache behind: drop it to stay consistent

@@ -188,6 +188,14 @@ def eos_token_ids(model, tokenizer=None) -> tuple:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def cache_kwarg(model) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` from transformers 5.2x (where
+    `past_key_values` warns and is removed in 5.40), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V one token occupies across all layers."""
     cfg = model.config

@@ -159,6 +159,8 @@ def sample_answers(
     """
     from transformers import DynamicCache
 
+    from steerspec.models.loading import cache_kwarg
+
     device = next(model.parameters()).device
     batch = len(prompts)
     width = max(len(p) for p in prompts)
@@ -171,9 +173,10 @@ def sample_answers(
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    cache_arg = {cache_kwarg(model): cache}
     recording = record is not None and top_k > 0
     taps_on = recording and tap_layers is not None
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_arg,
                 logits_to_keep=1, output_hidden_states=taps_on)
     logits = out.logits[:, -1]
     tops: List[tuple] = []  # per step: (ids [B, K], logp [B, K])
@@ -204,7 +207,7 @@ def sample_answers(
             break
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True,
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **cache_arg,
                     output_hidden_states=taps_on)
         logits = out.logits[:, -1]
         if taps_on:
