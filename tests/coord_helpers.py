@@ -30,15 +30,18 @@ def load_cached(model_dir) -> object:
 @torch.inference_mode()
 def greedy_reference(model_dir, prompt_ids: Sequence[int], n: int) -> List[int]:
     """The verifier's own greedy continuation (n tokens, no EOS stop), with a KV cache."""
+    from transformers import DynamicCache
+
+    from steerspec.models.loading import cache_kwarg
+
     model = load_cached(model_dir)
-    ids = torch.tensor([list(prompt_ids)])
-    out = model(input_ids=ids, use_cache=True)
-    past, tokens = out.past_key_values, []
+    cache = {cache_kwarg(model): DynamicCache(config=model.config)}  # filled in place, call after call
+    out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True, **cache)
+    tokens: List[int] = []
     for _ in range(n):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **cache)
     return tokens
 
 

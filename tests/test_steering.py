@@ -151,15 +151,17 @@ def test_block_bias_with_kv_cache_matches_full_forward(drafter):
     """The vector is applied to every position processed in a block, cached or not."""
     from transformers import DynamicCache
 
+    from steerspec.models.loading import cache_kwarg
+
     steering = random_steering(drafter)
     ids = torch.randint(0, 50, (1, 8))
     g = torch.randn(1, D_V)
     with torch.no_grad(), attach_steering(drafter, steering) as hooks:
         hooks.set_vector(g)
         full = drafter(input_ids=ids).logits
-        cache = DynamicCache(config=drafter.config)
-        first = drafter(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
-        rest = [drafter(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(5, 8)]
+        cache = {cache_kwarg(drafter): DynamicCache(config=drafter.config)}
+        first = drafter(input_ids=ids[:, :5], use_cache=True, **cache).logits
+        rest = [drafter(input_ids=ids[:, i : i + 1], use_cache=True, **cache).logits for i in range(5, 8)]
     torch.testing.assert_close(torch.cat([first] + rest, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
