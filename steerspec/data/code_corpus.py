@@ -10,7 +10,10 @@ the package files there too. Nothing is written to the repository: token arrays 
 from __future__ import annotations
 
 import hashlib
+import json
+import platform
 import sysconfig
+from importlib import metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -48,6 +51,14 @@ def _package_files(root: Path) -> List[str]:
     return out
 
 
+def package_manifest(root: Path) -> List[str]:
+    """`name==version` of every distribution installed under `root`, sorted: what a corpus built from
+    `root` holds, recorded so that a rebuild can tell whether it read the same packages."""
+    found = {f"{dist.metadata['Name']}=={dist.version}" for dist in metadata.distributions(path=[str(root)])
+             if dist.metadata['Name']}
+    return sorted(found, key=str.lower)
+
+
 def iter_code_files(seed: int = DEFAULT_SEED, include_packages: bool = True,
                     stdlib: Optional[Path] = None, packages: Optional[Path] = None) -> Iterator[CodeFile]:
     """Every usable source file once (first occurrence of each content wins), with its split."""
@@ -76,8 +87,10 @@ def iter_code_files(seed: int = DEFAULT_SEED, include_packages: bool = True,
 
 
 def build_token_arrays(tokenizer, out_dir: Path, seed: int = DEFAULT_SEED, max_train_chars: int = 40_000_000,
-                       max_heldout_chars: int = 2_000_000, eos_id: int = 0) -> dict:
-    """Tokenise the corpus into `train.npy` / `heldout.npy` (uint16, files joined by EOS) under out_dir."""
+                       max_heldout_chars: int = 2_000_000, eos_id: int = 0, stdlib: Optional[Path] = None,
+                       packages: Optional[Path] = None) -> dict:
+    """Tokenise the corpus into `train.npy` / `heldout.npy` (uint16, files joined by EOS) under out_dir, and
+    write `summary.json` beside them: the counts, the Python whose library it read and the packages."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     buffers = {"train": [], "heldout": []}
@@ -85,7 +98,7 @@ def build_token_arrays(tokenizer, out_dir: Path, seed: int = DEFAULT_SEED, max_t
     limits = {"train": max_train_chars, "heldout": max_heldout_chars}
     files = {"train": 0, "heldout": 0}
     # Interleave by a seeded order so a character cap keeps a mix of stdlib and packages.
-    all_files = sorted(iter_code_files(seed=seed), key=lambda f: stable_unit(seed, "order:" + f.origin))
+    all_files = sorted(iter_code_files(seed=seed, stdlib=stdlib, packages=packages), key=lambda f: stable_unit(seed, "order:" + f.origin))
     for item in all_files:
         if chars[item.split] >= limits[item.split]:
             continue
@@ -98,4 +111,7 @@ def build_token_arrays(tokenizer, out_dir: Path, seed: int = DEFAULT_SEED, max_t
         arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
         np.save(out_dir / f"{part}.npy", arr)
         summary[part] = {"files": files[part], "chars": chars[part], "tokens": int(arr.size)}
+    summary["stdlib"] = f"Python {platform.python_version()}" if stdlib is None else str(stdlib)
+    summary["packages"] = package_manifest(Path(packages) if packages is not None else site_packages_root())
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -67,7 +68,17 @@ def flatten_synthetic(data, eos_id: int) -> "tuple[np.ndarray, np.ndarray]":
     return np.concatenate(tokens).astype(np.uint16), np.concatenate(mask)
 
 
-def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
+def corpus_line(corpus: Optional[dict]) -> str:
+    """The card's record of what the corpus read (`code_corpus.build_token_arrays`' summary.json), so a
+    rebuild can tell whether it read the same library and packages; empty for a corpus built before it."""
+    if not corpus or "packages" not in corpus:
+        return ""
+    return (f"\nCorpus: {corpus['train']['files']:,} training files ({corpus['train']['tokens']:,} tokens) and "
+            f"{corpus['heldout']['files']:,} held-out ones, from the {corpus.get('stdlib', 'Python')} standard library "
+            f"and these packages (name==version): {', '.join(corpus['packages'])}.\n")
+
+
+def model_card(args, figures: dict, seconds: float, tokens_seen: int, corpus: Optional[dict] = None) -> str:
     if args.synthetic is not None:
         sets = " ".join(f"--synthetic {p}" for p in args.synthetic)
         return (f"# smollm2 distilled drafter\n\nBuilt by `steerspec train smollm2 {sets} "
@@ -81,7 +92,7 @@ def model_card(args, figures: dict, seconds: float, tokens_seen: int) -> str:
             f"the verifier at load time (draft vocabulary: the {args.support} most frequent corpus tokens, "
             f"q = 0 elsewhere). Trained on the code corpus (stdlib + installed packages' sources, deduplicated, "
             f"split by file): {tokens_seen:,} tokens, {seconds / 60:.1f} min on {args.device}, seed {args.seed}, lr {args.lr}, "
-            f"last figures {json.dumps(figures)}.\n")
+            f"last figures {json.dumps(figures)}.\n" + corpus_line(corpus))
 
 
 def run(args) -> int:
@@ -151,7 +162,9 @@ def run(args) -> int:
                         target_mask=target_mask)
         model.to("cpu")
     steps_done = int(figures.get("step", 0))
-    card = model_card(args, figures, time.monotonic() - started, steps_done * cfg.batch_size * cfg.seq_len)
+    summary = corpus / "summary.json"
+    card = model_card(args, figures, time.monotonic() - started, steps_done * cfg.batch_size * cfg.seq_len,
+                      corpus=json.loads(summary.read_text()) if args.synthetic is None and summary.is_file() else None)
     reduced.save_drafter(model, args.out, card=card)
     log.info("exported to %s", args.out)
     print(f"exported {args.out}")
