@@ -98,6 +98,7 @@ def build_token_arrays(tokenizer, out_dir: Path, seed: int = DEFAULT_SEED, max_t
     limits = {"train": max_train_chars, "heldout": max_heldout_chars}
     files = {"train": 0, "heldout": 0}
     # Interleave by a seeded order so a character cap keeps a mix of stdlib and packages.
+    packages = Path(packages) if packages is not None else site_packages_root()
     all_files = sorted(iter_code_files(seed=seed, stdlib=stdlib, packages=packages), key=lambda f: stable_unit(seed, "order:" + f.origin))
     for item in all_files:
         if chars[item.split] >= limits[item.split]:
@@ -112,6 +113,6 @@ def build_token_arrays(tokenizer, out_dir: Path, seed: int = DEFAULT_SEED, max_t
         np.save(out_dir / f"{part}.npy", arr)
         summary[part] = {"files": files[part], "chars": chars[part], "tokens": int(arr.size)}
     summary["stdlib"] = f"Python {platform.python_version()}" if stdlib is None else str(stdlib)
-    summary["packages"] = package_manifest(Path(packages) if packages is not None else site_packages_root())
+    summary["packages"] = package_manifest(packages)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from steerspec.models.layouts import (LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
                                       onednn_min_rows, out_major, out_major_rows, packed)
+from steerspec.models.loading import cache_kwarg
 
 TokenIds = Union[Sequence[int], Tensor]
 
@@ -47,8 +48,6 @@ class CachedLM:
 
     def __init__(self, model) -> None:
         from transformers import DynamicCache
-
-        from steerspec.models.loading import cache_kwarg
 
         self.model = model
         self.device = model.device
