@@ -325,6 +325,8 @@ def test_synth_workers_split_the_shards_and_together_make_the_same_set(tmp_path)
     assert main(args + ["--out", str(tmp_path / "two"), "--worker", "1/2"]) == 0
     assert sorted(p.name for p in (tmp_path / "two").glob("shard_*")) == ["shard_00001.safetensors"]
     assert main(args + ["--out", str(tmp_path / "two"), "--worker", "0/2"]) == 0
+    # a worker rerun on its finished shards (the build script's resume) counts them and makes nothing new
+    assert main(args + ["--out", str(tmp_path / "two"), "--worker", "1/2"]) == 0
     one, two = load_synthetic(tmp_path / "one"), load_synthetic(tmp_path / "two")
     assert len(one) == len(two) == 6 and all(torch.equal(a, b) for a, b in zip(one.sequences, two.sequences))
     assert all(torch.equal(a.top_ids, b.top_ids) and torch.equal(a.taps, b.taps) for a, b in zip(one.teacher, two.teacher))

@@ -361,8 +361,9 @@ def run(args) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     from steerspec.train._common import progress
 
-    done = [i for i, _ in shards if (out / f"shard_{i:05d}.safetensors").is_file()]
-    bar = progress(total=sum(len(b) for _, b in shards), initial=sum(len(shards[i][1]) for i in done), desc="synth")
+    # shards holds (index, batch) pairs of this worker only: count finished ones by their index, not position
+    done = sum(len(b) for i, b in shards if (out / f"shard_{i:05d}.safetensors").is_file())
+    bar = progress(total=sum(len(b) for _, b in shards), initial=done, desc="synth")
     start = time.time()
     new_tokens = 0
     for index, batch in shards:
