@@ -21,6 +21,11 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receiv
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def _core_transport_failure(exc: grpc.aio.AioRpcError) -> bool:
+    """True for grpc core's local "Internal error from Core" (no server status behind it)."""
+    return exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith("Internal error from Core")
+
+
 class SessionError(Exception):
     """Ends a session with a gRPC status code and a message a person can act on."""
 
@@ -121,7 +126,9 @@ class Stream:
 
     def _lost(self, exc: grpc.aio.AioRpcError) -> Exception:
         self.broken = True
-        if exc.code() in FAILOVER_CODES:
+        # "Internal error from Core" that _final could not resolve is grpc core's own transport failure (a
+        # replica stopped mid-write), not a status the server sent: the replica is lost, fail over
+        if exc.code() in FAILOVER_CODES or _core_transport_failure(exc):
             return ReplicaLost(self.kind, self.address, _status_of(exc),
                                full=exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return SessionError(exc.code(), f"{self.kind} {self.address}: {exc.details()}")

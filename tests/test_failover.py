@@ -135,3 +135,19 @@ async def run_session_sampling(cluster: LocalCluster, action) -> tuple:
             else:
                 summary = item
     return streamed, summary
+
+
+def test_grpc_cores_own_internal_error_counts_as_a_lost_replica():
+    """A replica stopped mid-write can end the call with grpc core's "Internal error from Core" (seen in CI
+    on test_sampling_session_survives_a_verifier_stop); that is a transport failure, so the coordinator
+    fails over, while an INTERNAL status the server itself sent stays a session error."""
+    import grpc
+
+    from coordinator.streams import _core_transport_failure
+
+    def err(code, details):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    assert _core_transport_failure(err(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert not _core_transport_failure(err(grpc.StatusCode.INTERNAL, "verify failed: shape mismatch"))
+    assert not _core_transport_failure(err(grpc.StatusCode.INVALID_ARGUMENT, "Internal error from Core"))
