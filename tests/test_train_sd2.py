@@ -176,6 +176,40 @@ def test_cli_writes_a_loadable_steered_checkpoint(tmp_path):
     assert model.dtype == torch.float32
 
 
+def test_sd2_from_a_steered_drafter_continues_its_steering(tmp_path, capsys):
+    import json
+
+    from steerspec.cli import main
+
+    verifier = tiny_llama(32, 4, 64, seed=0)
+    verifier.save_pretrained(str(tmp_path / "v"))
+    tiny_llama(16, 2, 32, seed=1).save_pretrained(str(tmp_path / "d"))
+    data = make_data(verifier, n=8)
+    (tmp_path / "data").mkdir()
+    save_shard(tmp_path / "data" / "shard_00000.safetensors", [s.tolist() for s in data.sequences], data.prompt_lens)
+    common = ["--data", str(tmp_path / "data"), "--verifier", str(tmp_path / "v"), "--batch-size", "4",
+              "--eval-every", "0", "--k", "2", "--steer-layers", "1,2,3", "--lr", "1e-2"]
+    assert main(["train", "sd2", *common, "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "one"),
+                 "--steps", "4"]) == 0
+    first = load_steering(tmp_path / "one")
+    assert torch.count_nonzero(first.drafter.proj.weight) > 0
+    # a second phase from the first's output starts from its W_s and W_hml, not from zero
+    assert main(["train", "sd2", *common, "--drafter", str(tmp_path / "one"), "--out", str(tmp_path / "two"),
+                 "--steps", "1", "--lr", "1e-9"]) == 0
+    report = json.loads((tmp_path / "two" / "train_report.json").read_text())
+    assert report["steering"]["continued_from"] == str(tmp_path / "one")
+    second = load_steering(tmp_path / "two")
+    torch.testing.assert_close(second.drafter.proj.weight, first.drafter.proj.weight, atol=1e-3, rtol=0)
+    torch.testing.assert_close(second.head.state_dict(), first.head.state_dict(), atol=1e-3, rtol=0)
+    # taps that differ from the steering's own are refused with the fix
+    capsys.readouterr()
+    bad = [a if a != "1,2,3" else "0,1,2" for a in common]
+    assert main(["train", "sd2", *bad, "--drafter", str(tmp_path / "one"), "--out", str(tmp_path / "three"),
+                 "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steer-layers" in err[0] and "[1, 2, 3]" in err[0]
+
+
 def _bench_inputs(tmp_path, tiny_pair):
     """(verifier dir, pretrained dir, SD² dir with a random W_s, eval dir, verifier config) for `bench sd2`."""
     import json

@@ -5,7 +5,8 @@ hidden states entering the low/mid/high layers) conditions the drafter's predict
 through W_s on every MLP up-projection. Prompt positions stay unsteered. Loss: forward KL(p_V ‖ q_D)
 per token summed over the vocabulary, averaged over answer tokens. AdamW, warm-up + cosine,
 gradient clipping, seeded and resumable (OUT/checkpoint.pt). The output directory is a transformers
-checkpoint plus `steering.safetensors` + `steering.json`, usable as `--drafter DIR`.
+checkpoint plus `steering.safetensors` + `steering.json`, usable as `--drafter DIR`; given such a
+directory as `--drafter`, training continues its W_hml and W_s (a second phase) instead of starting them at zero.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from steerspec.errors import UsageError
-    from steerspec.steering import DrafterSteering, SteeringHead, parse_layers
+    from steerspec.steering import parse_layers
 
     if args.k < 1:
         raise UsageError("--k must be at least 1")
@@ -59,8 +60,7 @@ def run(args) -> int:
     if data.tap_layers is not None and str(spec).strip().lower() in ("", "auto"):
         spec = list(data.tap_layers)  # the layers the data cached
     layers = parse_layers(spec, int(vconfig.num_hidden_layers))
-    head = SteeringHead(int(vconfig.hidden_size), layers)
-    steering = DrafterSteering.for_model(drafter, int(vconfig.hidden_size))
+    head, steering, continued = _initial_steering(ddir, drafter, int(vconfig.hidden_size), layers)
     bundle = distill.DrafterBundle(drafter, head, steering)
     pad = int(drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0)
     report = distill.train(bundle, verifier, data, cfg, args.out, pad, resume=not args.no_resume)
@@ -69,6 +69,7 @@ def run(args) -> int:
         "verifier_layers": list(layers),
         "head_params": sum(p.numel() for p in head.parameters()),
         "ws_params": sum(p.numel() for p in steering.parameters()),
+        "continued_from": str(ddir) if continued else None,
     }
     distill.finish(args, report, bundle, ddir, vdir, vconfig, "SD² drafter",
                    "The pretrained drafter with SD² steering (W_s on every MLP up-projection, W_hml on the verifier) "
@@ -76,3 +77,23 @@ def run(args) -> int:
     print(f"sd2: val KL {report['initial']['val_kl']:.4f} -> {report['final']['val_kl']:.4f} "
           f"in {report['train_seconds']:.0f} s -> {args.out}")
     return 0
+
+
+def _initial_steering(ddir, drafter, hidden_size: int, layers):
+    """(W_hml, W_s, continued): the initial drafter's own steering when it has some, else fresh (W_s zero).
+
+    A continued head must read the layers this run taps; anything else is refused with the fix."""
+    from steerspec.errors import UsageError
+    from steerspec.steering import DrafterSteering, SteeringHead, has_steering, load_steering
+
+    if not has_steering(ddir):
+        return SteeringHead(hidden_size, layers), DrafterSteering.for_model(drafter, hidden_size), False
+    weights = load_steering(ddir)
+    if tuple(weights.config.verifier_layers) != tuple(layers) or weights.config.verifier_hidden_size != hidden_size:
+        raise UsageError(
+            f"--drafter {ddir} carries SD² steering for verifier layers {list(weights.config.verifier_layers)} "
+            f"(d={weights.config.verifier_hidden_size}); this run taps {list(layers)} (d={hidden_size}): "
+            "pass --steer-layers to match, or start from a drafter without steering")
+    steering = DrafterSteering.for_model(drafter, hidden_size)
+    steering.load_state_dict(weights.drafter.state_dict())  # also checks the drafter's shape
+    return weights.head.train(), steering, True
