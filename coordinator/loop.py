@@ -95,15 +95,28 @@ def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
 DEADLINE_SLACK_S = 0.05  # a replica error this close to the deadline is the deadline's
 
 
+def deadline_reached(deadline: Optional[float], now: float) -> bool:
+    """True at, past or within DEADLINE_SLACK_S of the generation's deadline: a replica's failure then is
+    the deadline's (the one rule for session errors and lost replicas alike)."""
+    return deadline is not None and now >= deadline - DEADLINE_SLACK_S
+
+
 def deadline_error(exc: SessionError, deadline: Optional[float], now: float) -> SessionError:
-    """`exc`, or DEADLINE_EXCEEDED when a replica's call ended INTERNAL or CANCELLED at or past the
-    generation's deadline: grpc reports a deadline that lands during a stream's write or read as
+    """`exc`, or DEADLINE_EXCEEDED when a replica's call ended INTERNAL or CANCELLED at the generation's
+    deadline (`deadline_reached`): grpc reports a deadline that lands during a stream's write or read as
     "Internal error from Core" on a best-effort basis (grpc/grpc#2685), and the client asked for the deadline."""
-    if deadline is None or exc.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
-        return exc
-    if now < deadline - DEADLINE_SLACK_S:
+    if exc.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED) or not deadline_reached(deadline, now):
         return exc
     return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the generation's deadline passed ({exc.message})")
+
+
+def lost_to_deadline(lost: ReplicaLost, deadline: Optional[float], now: float) -> Optional[SessionError]:
+    """DEADLINE_EXCEEDED for a replica lost at the generation's deadline (`deadline_reached`), else None (fail
+    over). A stream the deadline broke mid-write can end in grpc core's own INTERNAL, which streams.py counts as
+    a lost replica; at the deadline it is the deadline's, and the healthy replica must not be marked failed."""
+    if not deadline_reached(deadline, now):
+        return None
+    return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the generation's deadline passed ({lost})")
 
 
 def _invalid(message: str) -> SessionError:
@@ -309,7 +322,9 @@ class SessionLoop:
             self.cfg.placer.release(kind, address)
 
     async def _replica_lost(self, lost: ReplicaLost) -> None:
-        self._timeout()  # past the deadline, a failure is the deadline's, not the replica's
+        ended = lost_to_deadline(lost, self.deadline, time.monotonic())
+        if ended is not None:  # at the deadline, a failure is the deadline's, not the replica's
+            raise ended
         log.warning("session %s: lost %s", self.req.session_id, lost)
         self.failed[lost.kind].add(lost.address)  # this session tries it no more
         self._unplace(lost.kind, lost.address)

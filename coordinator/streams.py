@@ -127,7 +127,8 @@ class Stream:
     def _lost(self, exc: grpc.aio.AioRpcError) -> Exception:
         self.broken = True
         # "Internal error from Core" that _final could not resolve is grpc core's own transport failure (a
-        # replica stopped mid-write), not a status the server sent: the replica is lost, fail over
+        # replica stopped mid-write), not a status the server sent: the replica is lost, fail over (unless it
+        # came at the generation's deadline: the loop's lost_to_deadline then ends the session DEADLINE_EXCEEDED)
         if exc.code() in FAILOVER_CODES or _core_transport_failure(exc):
             return ReplicaLost(self.kind, self.address, _status_of(exc),
                                full=exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)

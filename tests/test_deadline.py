@@ -105,3 +105,19 @@ def test_a_replica_error_at_the_deadline_is_the_deadlines():
     assert deadline_error(core, deadline=None, now=10.0) is core
     invalid = SessionError(grpc.StatusCode.INVALID_ARGUMENT, "bad k")
     assert deadline_error(invalid, deadline=10.0, now=11.0) is invalid
+
+
+def test_a_replica_lost_at_the_deadline_is_the_deadlines_not_a_failover():
+    """The same rule for a lost replica (e.g. grpc core's own INTERNAL, which streams.py fails over): within
+    DEADLINE_SLACK_S of the deadline the session ends DEADLINE_EXCEEDED and the replica is not marked failed;
+    before it, the loop fails over."""
+    from coordinator.loop import DEADLINE_SLACK_S, deadline_reached, lost_to_deadline
+    from coordinator.streams import ReplicaLost
+
+    lost = ReplicaLost("verifier", "127.0.0.1:1", "INTERNAL: Internal error from Core")
+    for now in (10.0 - DEADLINE_SLACK_S / 2, 10.0, 11.0):
+        ended = lost_to_deadline(lost, deadline=10.0, now=now)
+        assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED and "Internal error from Core" in ended.message
+    assert lost_to_deadline(lost, deadline=10.0, now=10.0 - 2 * DEADLINE_SLACK_S) is None
+    assert lost_to_deadline(lost, deadline=None, now=1e9) is None
+    assert deadline_reached(10.0, 10.0 - DEADLINE_SLACK_S) and not deadline_reached(None, 0.0)
