@@ -83,6 +83,7 @@ def test_without_onednn_two_and_three_rows_use_the_out_major_copies_with_the_sam
 @needs_onednn
 def test_two_rows_and_more_use_the_packed_copies_with_the_same_logits(verifier, monkeypatch):
     plain = _plain(verifier, monkeypatch)
+    monkeypatch.setenv(ONEDNN_ENV, "2")  # the default threshold, without the one-row measurement
     fast = FastCachedLM(verifier)
     assert fast.onednn_min_rows == 2
     assert fast.plans_for(1)[0] is fast._plans
@@ -217,3 +218,38 @@ def test_a_model_with_weight_copies_still_deep_copies_and_saves(verifier, tmp_pa
     torch.save(verifier, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     torch.testing.assert_close(_logits(FastCachedLM(loaded), feed), expected, atol=0, rtol=0)
+
+
+@needs_onednn
+def test_one_row_reads_the_packed_copies_only_where_this_machine_measured_them_faster(verifier, monkeypatch):
+    """Without $STEERSPEC_ONEDNN_MIN_ROWS a one-row pass is timed on both weight sets once per model and
+    thread count; the verdict (kept on the model) decides, and either way the logits are the same."""
+    from steerspec.models.kv import ONE_ROW_ATTR
+
+    monkeypatch.delenv(ONEDNN_ENV, raising=False)
+    verifier.__dict__.pop(ONE_ROW_ATTR, None)
+    measured = FastCachedLM(verifier)
+    verdict = verifier.__dict__[ONE_ROW_ATTR][torch.get_num_threads()]
+    assert measured.onednn_min_rows == (1 if verdict else 2) and measured.length == 0
+    plain = _plain(verifier, monkeypatch)
+    for forced in (True, False):
+        verifier.__dict__[ONE_ROW_ATTR] = {torch.get_num_threads(): forced}
+        monkeypatch.delenv(ONEDNN_ENV, raising=False)
+        lm = FastCachedLM(verifier)
+        assert lm.onednn_min_rows == (1 if forced else 2)
+        assert lm.plans_for(1)[0][0][3][0].is_mkldnn is forced
+        assert lm.plans_for(3)[0][0][3][0].is_mkldnn
+        for feed in ([5], [5, 6, 7]):
+            torch.testing.assert_close(_logits(lm, feed), _logits(plain, feed), atol=1e-4, rtol=1e-4)
+        steps = []
+        lm.reset()
+        lm.extend(PROMPT)
+        for _ in range(4):  # one-row steps on the chosen weights: the plain model's greedy tokens
+            steps.append(int(lm.extend([steps[-1] if steps else 5]).logits[-1].argmax()))
+        plain.reset()
+        plain.extend(PROMPT)
+        want = []
+        for _ in range(4):
+            want.append(int(plain.extend([want[-1] if want else 5]).logits[-1].argmax()))
+        assert steps == want
+    verifier.__dict__.pop(ONE_ROW_ATTR, None)

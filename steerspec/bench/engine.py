@@ -4,7 +4,8 @@ transformers' assisted generation, on the `indist` prompts, in one process and o
 Greedy decoding (so every method must produce the same tokens, which the benchmark checks),
 batch 1, each prompt run by every method in turn (round robin, so drift hits all methods alike)
 after one warm-up pass. tokens/s = generated tokens / wall seconds, summed over prompts;
-speedup is against the verifier alone measured in the same run.
+speedup is against the verifier alone measured in the same run. `--trees` adds greedy draft-tree
+rows (steerspec/tree_decoding.py), "speculative tree=SPEC", beside the fixed-k ones.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128,
                         help="keep the last N prompt tokens (default: 128; 0 = whole prompt)")
     parser.add_argument("--ks", default=DEFAULT_KS, help=f"draft lengths to run (default: {DEFAULT_KS})")
+    parser.add_argument("--trees", default="",
+                        help="greedy draft trees to run too, ';'-separated rank-path specs or 'default' "
+                             "(steerspec/trees.py; e.g. 'default;0,1,00,000'); none by default")
     parser.add_argument("--draft-top-k", type=int, default=64)
     parser.add_argument("--backend", default="auto", choices=("auto", "fast", "hf", "graphed"),
                         help="KV-cache backend of our engine (default: auto = graphed on CUDA, else fast when supported)")
@@ -98,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ks values must be in [1, 64], got {args.ks!r}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
+    from steerspec.trees import parse_tree
+
+    try:
+        trees = [parse_tree(spec) for spec in args.trees.split(";") if spec.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--trees: {exc}") from None
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # assisted generation warns about its own internal arguments
@@ -110,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if args.prompt_tokens:
             ids = ids[-args.prompt_tokens:]
-        prompts.append(ids[-(limit - args.max_new_tokens - max(ks) - 1):])
+        longest = max(ks + [t.size for t in trees])  # a tree's nodes occupy cache slots while verified
+        prompts.append(ids[-(limit - args.max_new_tokens - longest - 1):])
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=0.0),
                           draft_top_k=args.draft_top_k, eos_token_ids=eos, max_length=limit)
     v_lm, d_lm = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
@@ -128,9 +139,22 @@ def run(args: argparse.Namespace) -> int:
                 return speculative_generate(v, d, ids, config, FixedK(k), steering=hooks)
         return generate
 
+    def draft_tree(shape) -> Callable:
+        """Greedy tree drafting (steerspec/tree_decoding.py) on the same caches, steered alike."""
+        from steerspec.tree_decoding import tree_generate
+
+        def generate(ids):
+            if steering is None:
+                return tree_generate(v_lm, d_lm, ids, config, shape)
+            with SD2Steering(d_lm, steering) as hooks:
+                return tree_generate(v_lm, d_lm, ids, config, shape, steering=hooks)
+        return generate
+
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
         methods[f"speculative k={k}"] = speculative(k)
+    for shape in trees:
+        methods[f"speculative tree={shape.spec()}"] = draft_tree(shape)
 
     if args.compare_layouts:
         plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
@@ -194,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     run_all()
 
     # transformers assisted generation with num_assistant_tokens fixed at our best k
-    best_spec = max((n for n in methods if n.startswith("speculative") and "(" not in n),
+    best_spec = max((n for n in methods if n.startswith("speculative k=") and "(" not in n),
                     key=lambda n: aggregate(results[n])["tokens_per_s"])
     best_k = int(best_spec.split("=")[1])
     if not args.no_assisted:

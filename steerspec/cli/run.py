@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "OTEL_EXPORTER_OTLP_ENDPOINT, when set, exports over OTLP instead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_verification_arguments(parser)
+    parser.add_argument("--tree", default=None, metavar="SPEC",
+                        help="greedy draft tree instead of a draft length: rank paths such as 0,1,00,000 or "
+                             "'default' (in process, temperature 0; steerspec/trees.py)")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
@@ -203,7 +206,8 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
     verification = parse_verification_arg(args)
-    policy = policy_from_args(args, lossy=verification.lossy)
+    tree = tree_from_args(args, params, verification.lossy)
+    policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
     if verification.lossy and runner is None:
@@ -243,11 +247,40 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 
         drafter = cached_lm(drafter)
         steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)  # SD² drafters
+        if tree is not None:
+            from steerspec.tree_decoding import tree_generate
+
+            return tree_generate(verifier, drafter, prompt_ids, config, tree, steering=steering,
+                                 tokenizer=tokenizer), tokenizer
         result = speculative_generate(verifier, drafter, prompt_ids, config, policy, tokenizer=tokenizer,
                                       steering=steering)
     else:
         result = autoregressive_generate(verifier, prompt_ids, config, tokenizer=tokenizer)
     return result, tokenizer
+
+
+def tree_from_args(args: argparse.Namespace, params: SamplingParams, lossy: bool):
+    """The --tree draft tree, or None; refused in one line where it cannot run (it is greedy, exact,
+    in process, and replaces the draft-length policy)."""
+    spec = getattr(args, "tree", None)
+    if spec is None:
+        return None
+    from steerspec.trees import parse_tree
+
+    try:
+        shape = parse_tree(spec)
+    except ValueError as exc:
+        raise UsageError(f"--tree: {exc}") from None
+    if params.temperature > 0:
+        raise UsageError("--tree is greedy only: add --temperature 0 or drop --tree")
+    if getattr(args, "mode", "speculative") != "speculative" or lossy:
+        raise UsageError("--tree needs --mode speculative and --verification exact")
+    if args.transport != "inproc" or getattr(args, "coordinator", None):
+        raise UsageError("--tree runs in process only: add --transport inproc (the services draft chains)")
+    if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
+        raise UsageError("--tree replaces the draft length: drop --policy and --k")
+    args.tree = shape.spec()
+    return shape
 
 
 def policy_from_args(args: argparse.Namespace, lossy: bool = False):
@@ -326,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
             payload.update({"deployment": args.deployment,
                             "link": {"rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms,
                                      "bandwidth_mbps": link.bandwidth_mbps, "seed": link.seed}})
+        payload["tree"] = getattr(args, "tree", None)
         payload.setdefault("verification", "exact")
         payload.setdefault("lossy", False)
         sys.stdout.write(json.dumps(payload) + "\n")

@@ -17,6 +17,8 @@ After any rollback the next-token logits equal a fresh full forward over the kep
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -24,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from steerspec.models.layouts import (LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
+from steerspec.models.layouts import (ONEDNN_ENV, LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
                                       onednn_min_rows, out_major, out_major_rows, packed)
 from steerspec.models.loading import cache_kwarg
 
 TokenIds = Union[Sequence[int], Tensor]
+ONE_ROW_ATTR = "_steerspec_one_row_onednn"  # on the model: threads -> whether one-row passes read oneDNN copies
 
 
 class StepOutput(NamedTuple):
@@ -179,6 +182,31 @@ class FastCachedLM(CachedLM):
         self._cos = self._sin = None
         self.refresh()
         self._grow(min(capacity, self.max_positions))
+        self._choose_one_row_layout()
+
+    ONE_ROW_MARGIN = 0.97  # oneDNN for one row only where it is more than 3% faster (as `bench layouts` says)
+
+    def _choose_one_row_layout(self, repeats: int = 5) -> None:
+        """Time a one-row pass on the model's input-major weights and on the oneDNN-packed copies, and
+        use the packed ones for one row too where they are faster: on AVX-512 EPYCs they are (SmolLM2:
+        43 → 34 ms), on the AVX2 ones not. Measured once per model, thread count and process."""
+        if self.device.type != "cpu" or self._packed_from != 2 or os.environ.get(ONEDNN_ENV) is not None:
+            return  # no copies, or the environment decides
+        verdicts = self.model.__dict__.setdefault(ONE_ROW_ATTR, {})
+        threads = torch.get_num_threads()
+        if threads not in verdicts:
+            times = {1: [], 2: []}
+            length = self.length
+            for rep in range(repeats + 1):
+                for rows_from in (2, 1):
+                    self._packed_from = rows_from
+                    t0 = time.perf_counter()
+                    self.extend([0])
+                    if rep:  # the first round warms both up
+                        times[rows_from].append(time.perf_counter() - t0)
+                    self.rollback(length)
+            verdicts[threads] = statistics.median(times[1]) < self.ONE_ROW_MARGIN * statistics.median(times[2])
+        self._packed_from = 1 if verdicts[threads] else 2
 
     def refresh(self) -> None:
         """Re-read parameter references from the model (after replacing modules or parameters)."""
@@ -210,6 +238,8 @@ class FastCachedLM(CachedLM):
         cpu = self.device.type == "cpu"
         self.set_out_major_rows(out_major_rows() if cpu else frozenset())
         self.set_onednn_min_rows(onednn_min_rows() if cpu else 0)
+        if self._capacity:  # a refresh after construction keeps the measured one-row choice
+            self._choose_one_row_layout()
 
     def set_out_major_rows(self, rows) -> None:
         """Use the out-major weight copies for passes of these row counts (see `plans_for`)."""
@@ -302,9 +332,33 @@ class FastCachedLM(CachedLM):
             cos, sin = self.decoder.rotary_emb(probe, positions)
         self._cos, self._sin = cos[0], sin[0]  # [capacity, head_dim]
 
-    @torch.inference_mode()
     def extend(self, ids: TokenIds, hidden_layers: Optional[Sequence[int]] = None,
                logits_to_keep: int = 0) -> StepOutput:
+        return self._extend(ids, hidden_layers, logits_to_keep)
+
+    def extend_tree(self, ids: TokenIds, positions: Tensor, visible: Tensor,
+                    hidden_layers: Optional[Sequence[int]] = None) -> StepOutput:
+        """Feed tree tokens after the cached slots (steerspec/trees.py): token i sits at position
+        `positions[i]` and attends where `visible` [n, length + n] is True (the committed prefix and
+        its own ancestors, cached or fed in this call), not causally by slot."""
+        return self._extend(ids, hidden_layers, 0, positions, visible)
+
+    @torch.inference_mode()
+    def keep(self, start: int, slots: Sequence[int]) -> None:
+        """Keep the first `start` cached slots, then `slots` (absolute, increasing) packed right after
+        them: the tree path a verifier accepted becomes a plain prefix of start + len(slots) tokens."""
+        if any(s < start or s >= self.length for s in slots) or list(slots) != sorted(set(slots)):
+            raise ValueError(f"cannot keep slots {list(slots)} of a cache of {self.length} from {start}")
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        end = start + index.numel()
+        for keys, values in zip(self._keys, self._values):
+            keys[:, :, start:end] = keys.index_select(2, index)
+            values[:, :, start:end] = values.index_select(2, index)
+        self.length = end
+
+    @torch.inference_mode()
+    def _extend(self, ids: TokenIds, hidden_layers: Optional[Sequence[int]] = None, logits_to_keep: int = 0,
+                positions: Optional[Tensor] = None, visible: Optional[Tensor] = None) -> StepOutput:
         input_ids = self.as_tensor(ids)
         n = input_ids.shape[1]
         start = self.length
@@ -318,10 +372,18 @@ class FastCachedLM(CachedLM):
         self._grow(end)
         want = frozenset(hidden_layers or ())
         captured = {}
-        cos = self._cos[start:end].view(1, 1, n, self.head_dim)
-        sin = self._sin[start:end].view(1, 1, n, self.head_dim)
-        mask = None
-        if n > 1:
+        if positions is not None:  # a tree: positions by depth, attention by ancestry
+            positions = positions.to(self.device, torch.long)
+            cos = self._cos.index_select(0, positions).view(1, 1, n, self.head_dim)
+            sin = self._sin.index_select(0, positions).view(1, 1, n, self.head_dim)
+            mask = visible.to(self.device, torch.bool)
+            if mask.shape != (n, end):
+                raise ValueError(f"a tree of {n} tokens after {start} cached needs a mask of {(n, end)}, got {tuple(mask.shape)}")
+        else:
+            cos = self._cos[start:end].view(1, 1, n, self.head_dim)
+            sin = self._sin[start:end].view(1, 1, n, self.head_dim)
+            mask = None
+        if n > 1 and positions is None:
             # new row i sees every cached token and new tokens 0..i
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
         hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads

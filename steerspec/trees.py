@@ -1,0 +1,130 @@
+"""Static draft trees for greedy speculative decoding (pure; no models, no I/O).
+
+A tree is a set of rank paths: "0,1,00,000" drafts the drafter's top-1 and top-2 tokens after the
+pending token, the top-1 after the first of them, and the top-1 after that (Medusa's and EAGLE's
+static trees, SpecInfer's token trees). The verifier scores every node in one pass with an
+ancestor mask; greedy acceptance walks from the root along the child whose token equals the
+verifier's argmax, so the committed text is exactly the verifier's greedy output. A chain of k
+zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
+parent, then rank): a parent always comes before its children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+MAX_NODES = 64
+MAX_RANK = 9
+
+# Chosen from measurement (docs/results/real-pair.md, "Greedy draft trees"): depth 2, 5 nodes, the fastest
+# of 13 trees tried with `smollm2-sd2` on the AVX-512 EPYC; passes of 7 or more rows cost more there.
+DEFAULT_TREE = "0,1,2,00,10"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static draft tree: per node (breadth-first) its rank among its parent's children's
+    candidates, its parent's node index (-1: the root, i.e. the pending token) and its depth (1..)."""
+
+    paths: Tuple[Tuple[int, ...], ...]
+    ranks: Tuple[int, ...]
+    parents: Tuple[int, ...]
+    depths: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def spec(self) -> str:
+        return ",".join("".join(str(r) for r in p) for p in self.paths)
+
+    def children(self, node: int) -> List[int]:
+        """Node indices whose parent is `node` (-1: the root), in rank order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def at_depth(self, depth: int) -> List[int]:
+        return [i for i, d in enumerate(self.depths) if d == depth]
+
+    def ancestors(self, node: int) -> List[int]:
+        """`node`'s ancestors among the nodes (nearest last), itself excluded; the root is not a node."""
+        out: List[int] = []
+        parent = self.parents[node]
+        while parent >= 0:
+            out.append(parent)
+            parent = self.parents[parent]
+        return out[::-1]
+
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+
+def parse_tree(spec: str) -> TreeShape:
+    """'0,1,00' -> TreeShape; every path's parent must be in the tree; ranks 0..9, at most 64 nodes.
+
+    Raises ValueError with the fix on a bad spec."""
+    text = (spec or "").strip()
+    if not text:
+        raise ValueError("empty tree spec: give rank paths such as --tree 0,1,00,000 (or --tree default)")
+    if text == "default":
+        text = DEFAULT_TREE
+    paths = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part or not part.isdigit():
+            raise ValueError(f"tree path {part!r} is not a string of ranks 0-9 (e.g. 0,1,00,000)")
+        paths.append(tuple(int(c) for c in part))
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"tree spec {spec!r} repeats a path")
+    if len(paths) > MAX_NODES:
+        raise ValueError(f"a tree has at most {MAX_NODES} nodes; {spec!r} has {len(paths)}")
+    known = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"tree path {''.join(map(str, p))} needs its parent {''.join(map(str, p[:-1]))} in the tree")
+    ordered = sorted(paths, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(ordered)}
+    parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in ordered)
+    return TreeShape(tuple(ordered), tuple(p[-1] for p in ordered), parents, tuple(len(p) for p in ordered))
+
+
+def chain(k: int) -> TreeShape:
+    """The tree of plain speculative decoding at k: one path of top-1 drafts."""
+    return parse_tree(",".join("0" * i for i in range(1, k + 1)))
+
+
+def ancestor_mask(shape: TreeShape, nodes: Sequence[int], fed: Sequence[int], with_root: bool) -> Tensor:
+    """Boolean [len(nodes), len(fed_all)] mask among tree tokens: row r (node nodes[r]) sees the
+    fed column c when that column's node is the row's node or one of its ancestors.
+
+    Columns: the root first when `with_root` (every node sees it), then `fed` (node indices in
+    their cache order). Rows are `nodes`, which must be among `fed` or fed in the same call."""
+    cols = ([-1] if with_root else []) + list(fed)
+    mask = torch.zeros(len(nodes), len(cols), dtype=torch.bool)
+    for r, node in enumerate(nodes):
+        seen = set(shape.ancestors(node)) | {node, -1}
+        for c, col in enumerate(cols):
+            mask[r, c] = col in seen
+    return mask
+
+
+def greedy_walk(shape: TreeShape, node_tokens: Sequence[int], argmax: Sequence[int]) -> Tuple[List[int], int]:
+    """Greedy acceptance over a verified tree: `argmax[0]` is the verifier's choice after the root,
+    `argmax[1 + i]` after node i. Returns (accepted node path, index into argmax of the row that
+    gave the next token); the next token is argmax[that row]."""
+    path: List[int] = []
+    row, node = 0, -1
+    while True:
+        want = argmax[row]
+        step = next((c for c in shape.children(node) if node_tokens[c] == want), None)
+        if step is None:
+            return path, row
+        path.append(step)
+        node, row = step, 1 + step

@@ -1,0 +1,177 @@
+"""Greedy draft trees: the pure tree helpers, the tree-masked KV pass and its compaction, and
+tree decoding's output (the verifier's greedy output, token for token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steerspec.engine import DecodeConfig, speculative_generate
+from steerspec.models import FastCachedLM, cached_lm, load_model, resolve_model_dir
+from steerspec.policies import FixedK
+from steerspec.sampling import SamplingParams
+from steerspec.trees import DEFAULT_TREE, ancestor_mask, chain, greedy_walk, parse_tree
+from steerspec.tree_decoding import tree_generate
+
+
+def test_parse_orders_breadth_first_and_links_parents():
+    shape = parse_tree("00,1,0,000,10")
+    assert shape.spec() == "0,1,00,10,000"
+    assert shape.parents == (-1, -1, 0, 1, 2) and shape.depths == (1, 1, 2, 2, 3) and shape.ranks == (0, 1, 0, 0, 0)
+    assert shape.children(-1) == [0, 1] and shape.ancestors(4) == [0, 2] and shape.depth == 3
+    assert parse_tree("default").spec() == parse_tree(DEFAULT_TREE).spec()
+    assert chain(3).spec() == "0,00,000"
+
+
+@pytest.mark.parametrize("spec,fix", [("", "rank paths"), ("0,a", "ranks 0-9"), ("0,11", "needs its parent 1"),
+                                      ("0,0", "repeats"), (",".join(str(i) for i in range(10)) + ","
+                                       + ",".join(f"{i}{j}" for i in range(10) for j in range(6)), "at most 64")])
+def test_a_bad_spec_is_refused_with_the_fix(spec, fix):
+    with pytest.raises(ValueError, match=fix):
+        parse_tree(spec)
+
+
+def test_ancestor_mask_and_greedy_walk():
+    shape = parse_tree("0,1,00,10,000")
+    mask = ancestor_mask(shape, range(5), range(5), with_root=True)
+    assert mask.tolist()[4] == [True, True, False, True, False, True]  # root, 0, 00, itself
+    assert mask.tolist()[3] == [True, False, True, False, True, False]  # root, 1, itself
+    tokens = [7, 8, 9, 5, 6]  # nodes 0, 1, 00, 10, 000
+    # the verifier picks 8 (node 1), then 5 (node 10), then 3: two accepted, next token from node 10's row
+    argmax = [8, 1, 5, 2, 3, 4]
+    assert greedy_walk(shape, tokens, argmax) == ([1, 3], 4)
+    assert greedy_walk(shape, tokens, [4, 0, 0, 0, 0, 0]) == ([], 0)  # nothing accepted: the root's choice
+    assert greedy_walk(shape, tokens, [7, 9, 0, 6, 0, 2]) == ([0, 2, 4], 5)  # the whole deepest path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair):
+    verifier_dir, drafter_dir = tiny_pair
+    return load_model(verifier_dir), load_model(drafter_dir)
+
+
+def test_a_tree_pass_scores_each_node_as_its_own_chain_and_keep_compacts_the_path(tiny):
+    verifier, _ = tiny
+    lm = cached_lm(verifier)
+    assert isinstance(lm, FastCachedLM)
+    prefix, pending = [5, 17, 42, 9, 33], 11
+    shape = parse_tree("0,1,00,10,000,11")
+    tokens = [21, 22, 23, 24, 25, 26]
+    lm.extend(prefix)
+    start = lm.length
+    among = ancestor_mask(shape, range(shape.size), range(shape.size), with_root=True)
+    root = torch.zeros(1, shape.size + 1, dtype=torch.bool)
+    root[0, 0] = True
+    visible = torch.cat([torch.ones(shape.size + 1, start, dtype=torch.bool), torch.cat([root, among])], dim=1)
+    positions = start + torch.tensor((0,) + shape.depths)
+    tree_logits = lm.extend_tree([pending] + tokens, positions, visible).logits
+    ref = cached_lm(verifier)
+    for node in range(shape.size):
+        path = [tokens[a] for a in shape.ancestors(node)] + [tokens[node]]
+        ref.reset()
+        chain_logits = ref.extend(prefix + [pending] + path).logits[-1]
+        torch.testing.assert_close(tree_logits[1 + node], chain_logits, atol=1e-4, rtol=1e-4)
+    # keep the path 1 -> 10 (nodes 1, 3): the cache is then prefix + pending + those two tokens
+    lm.keep(start + 1, [start + 1 + 1, start + 1 + 3])
+    assert lm.length == start + 3
+    ref.reset()
+    expected = ref.extend(prefix + [pending, tokens[1], tokens[3], 7]).logits[-1]
+    torch.testing.assert_close(lm.extend([7]).logits[-1], expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot keep"):
+        lm.keep(2, [1])
+
+
+@pytest.mark.parametrize("spec", ["default", "0,1,00,000", "0,1,2,3,4,5"])
+def test_tree_decoding_writes_the_verifiers_greedy_output(loaded_pair, pair_greedy, spec):
+    verifier, drafter, _ = loaded_pair
+    prompts, config, expected = pair_greedy
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    accepted = 0
+    for ids, want in zip(prompts, expected):
+        result = tree_generate(v, d, ids, config, spec)
+        assert result.token_ids == want
+        accepted += result.accepted
+    assert accepted > 0, "no node was ever accepted: the test would prove little"
+
+
+def test_a_chain_tree_is_plain_speculative_decoding(loaded_pair, pair_greedy):
+    """The tree 0,00,000 commits exactly what fixed k = 3 commits, block by block."""
+    verifier, drafter, _ = loaded_pair
+    prompts, config, _ = pair_greedy
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    for ids in prompts[:6]:
+        tree = tree_generate(v, d, ids, config, chain(3))
+        plain = speculative_generate(v, d, ids, config, FixedK(3))
+        assert tree.token_ids == plain.token_ids and tree.block_accepted == plain.block_accepted
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5])
+def test_a_small_budget_prunes_the_tree_and_stays_exact(loaded_pair, pair_greedy, budget):
+    verifier, drafter, _ = loaded_pair
+    prompts, config, expected = pair_greedy
+    small = DecodeConfig(max_new_tokens=budget, eos_token_ids=config.eos_token_ids, max_length=config.max_length)
+    for ids, want in list(zip(prompts, expected))[:4]:
+        result = tree_generate(cached_lm(verifier), cached_lm(drafter), ids, small, "default")
+        assert result.token_ids == want[:budget]
+
+
+def test_a_steered_sd2_drafter_stays_exact_on_a_tree():
+    from steerspec.engine import autoregressive_generate
+    from steerspec.models import load_tokenizer
+    from steerspec.steering.runtime import maybe_steering
+
+    tok = load_tokenizer(resolve_model_dir("verifier"))
+    verifier, drafter = cached_lm(load_model("verifier")), cached_lm(load_model("sd2"))
+    config = DecodeConfig(max_new_tokens=24, eos_token_ids=(tok.eos_token_id,))
+    for text in ("def fibonacci(n):\n", "import os\n\n\ndef main():\n"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        want = autoregressive_generate(verifier, ids, config).token_ids
+        with maybe_steering(drafter, resolve_model_dir("sd2")) as steering:
+            assert steering is not None
+            assert tree_generate(verifier, drafter, ids, config, "default", steering=steering).token_ids == want
+
+
+def test_sampling_and_the_slow_backend_are_refused(tiny):
+    verifier, drafter = tiny
+    sampled = DecodeConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="greedy only"):
+        tree_generate(verifier, drafter, [1, 2, 3], sampled)
+    with pytest.raises(ValueError, match="fast KV backend"):
+        tree_generate(cached_lm(verifier, "hf"), cached_lm(drafter, "hf"), [1, 2, 3], DecodeConfig(max_new_tokens=4))
+
+
+def _cli(capsys, argv):
+    from steerspec.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_with_a_tree_writes_the_verifiers_greedy_output_and_says_so(capsys):
+    import json
+
+    pair = ["--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "20", "--json"]
+    code, out, err = _cli(capsys, ["run", "def fibonacci(n):", "--tree", "0,1,00", "--transport", "inproc"] + pair)
+    assert code == 0, err
+    tree = json.loads(out)
+    code, out, err = _cli(capsys, ["run", "def fibonacci(n):", "--mode", "autoregressive", "--transport", "inproc"] + pair)
+    assert code == 0, err
+    assert tree["token_ids"] == json.loads(out)["token_ids"]
+    assert tree["tree"] == "0,1,00" and tree["policy"] is None and tree["rounds"] <= 20
+
+
+@pytest.mark.parametrize("extra,fix", [
+    (["--tree", "0,11"], "needs its parent"),
+    (["--tree", "0,1", "--temperature", "1"], "greedy only"),
+    (["--tree", "0,1", "--transport", "grpc"], "--transport inproc"),
+    (["--tree", "0,1", "--k", "3"], "drop --policy and --k"),
+    (["--tree", "0,1", "--mode", "autoregressive"], "--mode speculative"),
+])
+def test_run_refuses_a_tree_it_cannot_run_in_one_line(capsys, extra, fix):
+    argv = ["run", "def f():", "--verifier", "verifier", "--drafter", "pretrained", "--transport", "inproc"] + extra
+    code, out, err = _cli(capsys, argv)
+    assert code == 2 and fix in err and len(err.strip().splitlines()) == 1, err
