@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     payload = {
         "benchmark": "engine",
         "command": "steerspec bench engine " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "engine"] else None,
-        "machine": host_info(),
+        "machine": host_info(verifier=v_lm, drafter=d_lm),
         "eval_set": args.eval_set,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

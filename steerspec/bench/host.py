@@ -23,12 +23,17 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> Optional[str]:
     return platform.processor() or None
 
 
-def host_info() -> Dict[str, object]:
-    """CPU model, logical cores, torch version, its CPU capability and the layout settings in force."""
+def host_info(**lms) -> Dict[str, object]:
+    """CPU model, logical cores, torch version, its CPU capability and the layout settings in force;
+    for each named FastCachedLM given, the row count from which its passes read oneDNN copies (one
+    row too where this machine measured them faster, models/kv.py)."""
     import torch
 
     from steerspec.models.layouts import onednn_min_rows, out_major_rows
 
-    return {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "torch": torch.__version__,
+    info = {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_min_rows": onednn_min_rows(), "out_major_rows": sorted(out_major_rows())}
+    for name, lm in lms.items():
+        info[f"{name}_onednn_min_rows"] = getattr(lm, "onednn_min_rows", None)
+    return info
