@@ -13,6 +13,7 @@ Blocks of sessions that ask at about the same time are drafted together (drafter
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 
 from steerspec import rounds
 from steerspec import wire
+from steerspec.models.kv import prepare_weight_copies
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -267,6 +269,8 @@ async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int
     """Start a drafter server; returns (RunningServer, servicer)."""
     from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 
+    # the weight copies of multi-row CPU passes and the one-row layout's timing, before serving
+    await asyncio.to_thread(prepare_weight_copies, model)
     servicer = DrafterServicer(model, config, hooks)
     running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
                                  [SERVICE_NAME], host=host, port=port,
