@@ -1,18 +1,21 @@
-"""Greedy speculative decoding with a static draft tree, in process (steerspec/trees.py).
+"""Speculative decoding with a static draft tree, in process (steerspec/trees.py).
 
 Per block the drafter drafts the tree level by level (one pass per depth below the deepest, each
 over that level's nodes with an ancestor mask), the verifier scores the pending token and every
-node in one pass, greedy acceptance walks the tree (`trees.greedy_walk`), and both caches keep
-only the accepted path (`FastCachedLM.keep`). On a CPU a verifier pass costs about the same for
-3 rows as for 12, so a tree commits more tokens per pass than a chain at the same drafter cost.
-The output is the verifier's greedy output, token for token. Same protocol, round loop and
+node in one pass, acceptance walks the tree (`trees.greedy_walk`), and both caches keep
+only the accepted path (`FastCachedLM.keep`). On the 2-core CPU a verifier pass of up to 6 rows costs
+about what one of 3 does, so a small tree commits more tokens per pass than a chain at the same
+drafter cost (docs/results/real-pair.md, "Greedy draft trees").
+Greedy, the output is the verifier's greedy output, token for token; at T > 0 each node's children are
+independent samples of the drafter's distribution there and acceptance is SpecInfer's multi-step
+speculative sampling (`trees.sampled_walk`): exactly the verifier's distribution. Same protocol, round loop and
 accounting as `engine.speculative_generate` (pending token, prefill, SD² steering).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -22,7 +25,12 @@ from steerspec.metrics import GenerationResult
 from steerspec.models.kv import FastCachedLM, as_cached
 from steerspec.rounds import DecodeConfig
 from steerspec.speculative import DraftBlock
-from steerspec.trees import TreeShape, ancestor_mask, greedy_walk, parse_tree
+from steerspec.rounds import make_generators
+from steerspec.sampling import draft_distribution, probs_from_logits, sample_sparse
+from steerspec.trees import TreeShape, ancestor_mask, greedy_walk, parse_tree, sampled_walk
+
+
+ROOT_ONLY = TreeShape((), (), (), ())  # a tree without nodes: the verifier scores the pending token alone
 
 
 def _pruned(shape: TreeShape, max_depth: int) -> Optional[TreeShape]:
@@ -37,18 +45,39 @@ def _top(logits: Tensor, count: int) -> List[int]:
     return logits.topk(count).indices.tolist()
 
 
-def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape) -> Tuple[List[int], List[int]]:
-    """Fill the tree with the drafter's ranked tokens after `committed` (its last token pending).
+def _fill(shape: TreeShape, parent: int, logits: Tensor, tokens: List[int], q_at: Dict[int, Tensor],
+          config: DecodeConfig, generator: Optional[torch.Generator]) -> None:
+    """Set the tokens of `parent`'s children from the drafter's logits there: its ranked tokens when
+    greedy, else independent samples of its warped, top-`draft_top_k` distribution (kept in q_at)."""
+    kids = shape.children(parent)
+    if config.greedy:
+        ranked = _top(logits, 1 + max(shape.ranks[c] for c in kids))
+        for c in kids:
+            tokens[c] = ranked[shape.ranks[c]]
+        return
+    params = config.sampling
+    probs = probs_from_logits(logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
+    dist = draft_distribution(probs, config.draft_top_k, config.draft_tail)
+    q_at[parent] = dist.to_dense(probs.shape[-1])[0]
+    for c in kids:
+        tokens[c] = int(sample_sparse(dist, generator)[0])
 
-    Returns (token per node, nodes fed to the drafter in cache order after the committed tokens);
-    the drafter's cache then holds committed + those nodes."""
+
+def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape,
+               config: Optional[DecodeConfig] = None, generator: Optional[torch.Generator] = None,
+               ) -> Tuple[List[int], List[int], Dict[int, Tensor]]:
+    """Fill the tree with the drafter's tokens after `committed` (its last token pending): ranked
+    when greedy, sampled i.i.d. per parent otherwise.
+
+    Returns (token per node, nodes fed to the drafter in cache order after the committed tokens,
+    the distribution each parent's children were drawn from — empty when greedy); the drafter's
+    cache then holds committed + the fed nodes."""
+    config = config if config is not None else DecodeConfig()
     n = len(committed)
     out = drafter.extend(committed[drafter.length:])
     tokens = [0] * shape.size
-    roots = shape.children(-1)
-    ranked = _top(out.logits[-1], 1 + max(shape.ranks[c] for c in roots))
-    for c in roots:
-        tokens[c] = ranked[shape.ranks[c]]
+    q_at: Dict[int, Tensor] = {}
+    _fill(shape, -1, out.logits[-1], tokens, q_at, config, generator)
     fed: List[int] = []
     for depth in range(1, shape.depth):
         level = [i for i in shape.at_depth(depth) if shape.children(i)]
@@ -58,35 +87,47 @@ def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape
         out = drafter.extend_tree([tokens[i] for i in level], positions, visible)
         fed.extend(level)
         for row, node in enumerate(level):
-            kids = shape.children(node)
-            ranked = _top(out.logits[row], 1 + max(shape.ranks[c] for c in kids))
-            for c in kids:
-                tokens[c] = ranked[shape.ranks[c]]
-    return tokens, fed
+            _fill(shape, node, out.logits[row], tokens, q_at, config, generator)
+    return tokens, fed, q_at
 
 
 def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], shape: Optional[TreeShape],
-                hidden_layers: Optional[Sequence[int]] = None) -> Tuple[List[int], int, Optional[Tensor]]:
-    """Score [pending, nodes...] in one pass, walk the tree greedily, keep the accepted path.
+                hidden_layers: Optional[Sequence[int]] = None, config: Optional[DecodeConfig] = None,
+                q_at: Optional[Dict[int, Tensor]] = None, generator: Optional[torch.Generator] = None,
+                ) -> Tuple[List[int], int, Optional[Tensor]]:
+    """Score [pending, nodes...] in one pass, accept a path (greedy walk, or multi-step speculative
+    sampling against `q_at` at T > 0), keep it in the cache.
 
     Returns (accepted node path, next token, hidden states [L, D] at the row that chose it)."""
+    config = config if config is not None else DecodeConfig()
     start = verifier.length
     size = 0 if shape is None else shape.size
-    if shape is None:
+    if shape is None:  # no nodes (the budget's last token): one row, the pending token's
         out = verifier.extend([pending], hidden_layers)
-        argmax = out.logits.argmax(-1).tolist()
-        return [], argmax[0], (out.hidden[:, 0] if hidden_layers else None)
+        path, token, row = _accept(ROOT_ONLY, [], out.logits, config, {}, generator)
+        return path, token, (out.hidden[:, row] if hidden_layers else None)
     among = ancestor_mask(shape, range(size), range(size), with_root=True)  # [N, N + 1]
     root = torch.zeros(1, size + 1, dtype=torch.bool)
     root[0, 0] = True
     visible = torch.cat([torch.ones(size + 1, start, dtype=torch.bool), torch.cat([root, among])], dim=1)
     positions = start + torch.tensor((0,) + shape.depths, dtype=torch.long)
     out = verifier.extend_tree([pending] + list(tokens), positions, visible, hidden_layers)
-    argmax = out.logits.argmax(-1).tolist()
-    path, row = greedy_walk(shape, tokens, argmax)
+    path, token, row = _accept(shape, tokens, out.logits, config, q_at or {}, generator)
     verifier.keep(start + 1, [start + 1 + node for node in path])
     hidden = out.hidden[:, row] if hidden_layers else None
-    return path, argmax[row], hidden
+    return path, token, hidden
+
+
+def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: DecodeConfig,
+            q_at: Dict[int, Tensor], generator: Optional[torch.Generator]) -> Tuple[List[int], int, int]:
+    """(accepted path, next token, row that gave it) from the verifier's logits over [pending, nodes...]."""
+    if config.greedy:
+        argmax = logits.argmax(-1).tolist()
+        path, row = greedy_walk(shape, tokens, argmax)
+        return path, argmax[row], row
+    params = config.sampling
+    p_rows = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+    return sampled_walk(shape, tokens, p_rows, q_at, generator)
 
 
 def tree_generate(
@@ -99,27 +140,26 @@ def tree_generate(
     tokenizer=None,
     on_round: Optional[Callable[[RoundRecord], None]] = None,
 ) -> GenerationResult:
-    """Greedy speculative decoding with a draft tree (lossless: the verifier's greedy output).
+    """Speculative decoding with a draft tree, lossless: greedy, the verifier's greedy output; at T > 0
+    (children sampled i.i.d., multi-step speculative sampling) exactly the verifier's distribution.
 
-    Needs the fast KV backend on both sides (`FastCachedLM`) and temperature 0; raises ValueError
-    naming the fix otherwise."""
+    Needs the fast KV backend on both sides (`FastCachedLM`); raises ValueError naming the fix otherwise."""
     shape = parse_tree(tree) if isinstance(tree, str) else tree
-    if not config.greedy:
-        raise ValueError("tree drafting is greedy only: use --temperature 0, or drop --tree for sampling")
     verifier, drafter = as_cached(verifier), as_cached(drafter)
     if not (isinstance(verifier, FastCachedLM) and isinstance(drafter, FastCachedLM)):
         raise ValueError("tree drafting needs the fast KV backend on both models (Llama/Qwen/Mistral-style)")
     prompt = _check_prompt(prompt_ids, config)
+    g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
 
     def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         n = len(committed)
         t0 = time.perf_counter()
         here = _pruned(shape, room - 1)
-        tokens, fed = draft_tree(drafter, committed, here) if here is not None else ([], [])
+        tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft) if here is not None else ([], [], {})
         if here is None:
             drafter.extend(committed[drafter.length:])  # keep the drafter caught up (pending fed)
         t1 = time.perf_counter()
-        path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers)
+        path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify)
         t2 = time.perf_counter()
         kept = []
         for node in path:  # the accepted nodes the drafter already holds, in order

@@ -4,15 +4,17 @@ A tree is a set of rank paths: "0,1,00,000" drafts the drafter's top-1 and top-2
 pending token, the top-1 after the first of them, and the top-1 after that (Medusa's and EAGLE's
 static trees, SpecInfer's token trees). The verifier scores every node in one pass with an
 ancestor mask; greedy acceptance walks from the root along the child whose token equals the
-verifier's argmax, so the committed text is exactly the verifier's greedy output. A chain of k
-zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
+verifier's argmax, so the committed text is exactly the verifier's greedy output. At T > 0 a node's
+children are instead independent samples from the drafter's distribution there (the ranks only say how
+many), and `sampled_walk` is SpecInfer's multi-step speculative sampling: exactly the verifier's
+distribution. A chain of k zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
 parent, then rank): a parent always comes before its children.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -128,3 +130,33 @@ def greedy_walk(shape: TreeShape, node_tokens: Sequence[int], argmax: Sequence[i
             return path, row
         path.append(step)
         node, row = step, 1 + step
+
+
+def sampled_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor, q_at: Dict[int, Tensor],
+                 generator: Optional[torch.Generator] = None) -> Tuple[List[int], int, int]:
+    """Multi-step speculative sampling over a verified tree (SpecInfer, Miao et al. 2024, Alg. 2).
+
+    `p_rows` [1 + N, V]: the verifier's warped probabilities after the root (row 0) and after node i
+    (row 1 + i); `q_at[parent]` [V]: the drafter's distribution its children were drawn from, i.i.d.
+    At a node, each child x in turn is accepted with probability min(1, p(x) / q(x)); on a rejection
+    p becomes norm(max(0, p - q)) for the next child; when none is accepted (or there are none) the
+    next token is drawn from the p left. Returns (accepted path, next token, row that gave it)."""
+    path: List[int] = []
+    node, row = -1, 0
+    while True:
+        p = p_rows[row]
+        for child in shape.children(node):
+            q = q_at[node]
+            x = int(node_tokens[child])
+            ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 0.0
+            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+                path.append(child)
+                node, row = child, 1 + child
+                break
+            residual = (p - q).clamp_(min=0)
+            mass = float(residual.sum())
+            if mass > 0:  # with no mass left p equals q: a rejection cannot happen then (rounding aside)
+                p = residual / mass
+        else:
+            token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
+            return path, token, row

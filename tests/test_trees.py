@@ -1,5 +1,5 @@
-"""Greedy draft trees: the pure tree helpers, the tree-masked KV pass and its compaction, and
-tree decoding's output (the verifier's greedy output, token for token)."""
+"""Draft trees: the pure tree helpers, the tree-masked KV pass and its compaction, and tree decoding's
+output (greedy: the verifier's greedy output, token for token; T = 1: the verifier's distribution)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_tree_decoding_writes_the_verifiers_greedy_output(loaded_pair, pair_gree
     v, d = cached_lm(verifier), cached_lm(drafter)
     accepted = 0
     for ids, want in zip(prompts, expected):
-        result = tree_generate(v, d, ids, config, spec)
+        result = tree_generate(v, d, ids, config, "0,1,2,00,10,000")  # three siblings, depth 3
         assert result.token_ids == want
         accepted += result.accepted
     assert accepted > 0, "no node was ever accepted: the test would prove little"
@@ -131,11 +131,8 @@ def test_a_steered_sd2_drafter_stays_exact_on_a_tree():
             assert tree_generate(verifier, drafter, ids, config, "default", steering=steering).token_ids == want
 
 
-def test_sampling_and_the_slow_backend_are_refused(tiny):
+def test_the_slow_backend_is_refused(tiny):
     verifier, drafter = tiny
-    sampled = DecodeConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0))
-    with pytest.raises(ValueError, match="greedy only"):
-        tree_generate(verifier, drafter, [1, 2, 3], sampled)
     with pytest.raises(ValueError, match="fast KV backend"):
         tree_generate(cached_lm(verifier, "hf"), cached_lm(drafter, "hf"), [1, 2, 3], DecodeConfig(max_new_tokens=4))
 
@@ -166,7 +163,6 @@ def test_run_with_a_tree_writes_the_verifiers_greedy_output_and_says_so(capsys):
 
 @pytest.mark.parametrize("extra,fix", [
     (["--tree", "0,11"], "needs its parent"),
-    (["--tree", "0,1", "--temperature", "1"], "greedy only"),
     (["--tree", "0,1", "--transport", "grpc"], "--transport inproc"),
     (["--tree", "0,1", "--k", "3"], "drop --policy and --k"),
     (["--tree", "0,1", "--mode", "autoregressive"], "--mode speculative"),
@@ -175,3 +171,49 @@ def test_run_refuses_a_tree_it_cannot_run_in_one_line(capsys, extra, fix):
     argv = ["run", "def f():", "--verifier", "verifier", "--drafter", "pretrained", "--transport", "inproc"] + extra
     code, out, err = _cli(capsys, argv)
     assert code == 2 and fix in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sampled_walk_accepts_by_the_ratio_and_resamples_the_residual():
+    """Two children of the root, both token 1, q = (0.5, 0.5, 0), p = (0, 0.25, 0.75): each child is
+    accepted with p(1) / q(1) = 1/2 at first, then never (the residual p - q puts no mass on 1), so
+    P(accept) = 1/2 and a rejection always ends in token 2."""
+    from collections import Counter
+
+    from steerspec.trees import sampled_walk
+
+    shape = parse_tree("0,1")
+    p_rows = torch.tensor([[0.0, 0.25, 0.75], [0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
+    q_at = {-1: torch.tensor([0.5, 0.5, 0.0])}
+    g = torch.Generator().manual_seed(0)
+    outcomes = Counter()
+    for _ in range(2000):
+        path, token, row = sampled_walk(shape, [1, 1], p_rows, q_at, g)
+        outcomes[(tuple(path), token if not path else "bonus")] += 1
+        assert (path == [] and token == 2 and row == 0) or (path == [0] and row == 1)
+    assert abs(outcomes[((), 2)] / 2000 - 0.5) < 0.05
+
+
+def test_sampling_on_a_tree_is_the_verifiers_distribution(loaded_pair, eval_prompts):
+    """1,000 samples of the first two tokens at T = 1 through tree decoding (each node's children drawn
+    i.i.d. from a sparse top-8 drafter, multi-step speculative sampling): the first token's marginal and
+    the pairs match the verifier's exact distribution (chi-square), with acceptances and rejections both
+    frequent."""
+    from collections import Counter
+
+    from distribution_helpers import P_MIN, first_two_p_values, pick_prompt
+
+    verifier, drafter, tok = loaded_pair
+    params = SamplingParams(temperature=1.0)
+    ids = pick_prompt(verifier, drafter, tok, eval_prompts, params)
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    n = 1000
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(n):
+        config = DecodeConfig(max_new_tokens=2, sampling=params, draft_top_k=8, seed=7919 * seed + 11)
+        result = tree_generate(v, d, ids, config, spec)
+        counts[tuple(result.token_ids)] += 1
+        accepted += result.accepted
+    assert 0.05 * n < accepted < 1.9 * n, accepted
+    p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)

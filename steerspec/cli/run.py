@@ -93,8 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_verification_arguments(parser)
     parser.add_argument("--tree", default=None, metavar="SPEC",
-                        help="greedy draft tree instead of a draft length: rank paths such as 0,1,00,000 or "
-                             "'default' (in process, temperature 0; steerspec/trees.py)")
+                        help="draft tree instead of a draft length: rank paths such as 0,1,00,000 or 'default' "
+                             "(in process; at T > 0 each node's children are sampled; steerspec/trees.py)")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
@@ -260,8 +260,8 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 
 
 def tree_from_args(args: argparse.Namespace, params: SamplingParams, lossy: bool):
-    """The --tree draft tree, or None; refused in one line where it cannot run (it is greedy, exact,
-    in process, and replaces the draft-length policy)."""
+    """The --tree draft tree, or None; refused in one line where it cannot run (it is exact, in
+    process, and replaces the draft-length policy)."""
     spec = getattr(args, "tree", None)
     if spec is None:
         return None
@@ -271,8 +271,6 @@ def tree_from_args(args: argparse.Namespace, params: SamplingParams, lossy: bool
         shape = parse_tree(spec)
     except ValueError as exc:
         raise UsageError(f"--tree: {exc}") from None
-    if params.temperature > 0:
-        raise UsageError("--tree is greedy only: add --temperature 0 or drop --tree")
     if getattr(args, "mode", "speculative") != "speculative" or lossy:
         raise UsageError("--tree needs --mode speculative and --verification exact")
     if args.transport != "inproc" or getattr(args, "coordinator", None):
