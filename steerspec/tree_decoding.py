@@ -5,7 +5,7 @@ over that level's nodes with an ancestor mask), the verifier scores the pending 
 node in one pass, acceptance walks the tree (`trees.greedy_walk`), and both caches keep
 only the accepted path (`FastCachedLM.keep`). On the 2-core CPU a verifier pass of up to 6 rows costs
 about what one of 3 does, so a small tree commits more tokens per pass than a chain at the same
-drafter cost (docs/results/real-pair.md, "Greedy draft trees").
+drafter cost (docs/results/real-pair.md, "Draft trees").
 Greedy, the output is the verifier's greedy output, token for token; at T > 0 each node's children are
 independent samples of the drafter's distribution there and acceptance is SpecInfer's multi-step
 speculative sampling (`trees.sampled_walk`): exactly the verifier's distribution. Same protocol, round loop and

@@ -88,7 +88,7 @@ def test_tree_decoding_writes_the_verifiers_greedy_output(loaded_pair, pair_gree
     v, d = cached_lm(verifier), cached_lm(drafter)
     accepted = 0
     for ids, want in zip(prompts, expected):
-        result = tree_generate(v, d, ids, config, "0,1,2,00,10,000")  # three siblings, depth 3
+        result = tree_generate(v, d, ids, config, spec)
         assert result.token_ids == want
         accepted += result.accepted
     assert accepted > 0, "no node was ever accepted: the test would prove little"
@@ -211,7 +211,7 @@ def test_sampling_on_a_tree_is_the_verifiers_distribution(loaded_pair, eval_prom
     accepted = 0
     for seed in range(n):
         config = DecodeConfig(max_new_tokens=2, sampling=params, draft_top_k=8, seed=7919 * seed + 11)
-        result = tree_generate(v, d, ids, config, spec)
+        result = tree_generate(v, d, ids, config, "0,1,2,00,10,000")  # three siblings, depth 3
         counts[tuple(result.token_ids)] += 1
         accepted += result.accepted
     assert 0.05 * n < accepted < 1.9 * n, accepted
