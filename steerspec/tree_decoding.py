@@ -23,9 +23,8 @@ from torch import Tensor
 from steerspec.engine import DrafterSteering, RoundOut, RoundRecord, _check_prompt, run_rounds
 from steerspec.metrics import GenerationResult
 from steerspec.models.kv import FastCachedLM, as_cached
-from steerspec.rounds import DecodeConfig
+from steerspec.rounds import DecodeConfig, make_generators
 from steerspec.speculative import DraftBlock
-from steerspec.rounds import make_generators
 from steerspec.sampling import draft_distribution, probs_from_logits, sample_sparse
 from steerspec.trees import TreeShape, ancestor_mask, greedy_walk, parse_tree, sampled_walk
 
@@ -33,12 +32,12 @@ from steerspec.trees import TreeShape, ancestor_mask, greedy_walk, parse_tree, s
 ROOT_ONLY = TreeShape((), (), (), ())  # a tree without nodes: the verifier scores the pending token alone
 
 
-def _pruned(shape: TreeShape, max_depth: int) -> Optional[TreeShape]:
-    """The tree's nodes down to `max_depth` (None when that leaves none): near the token budget."""
+def _pruned(shape: TreeShape, max_depth: int) -> TreeShape:
+    """The tree's nodes down to `max_depth` (ROOT_ONLY when that leaves none): near the token budget."""
     if max_depth >= shape.depth:
         return shape
     paths = [p for p in shape.paths if len(p) <= max_depth]
-    return parse_tree(",".join("".join(map(str, p)) for p in paths)) if paths else None
+    return parse_tree(",".join("".join(map(str, p)) for p in paths)) if paths else ROOT_ONLY
 
 
 def _top(logits: Tensor, count: int) -> List[int]:
@@ -50,6 +49,8 @@ def _fill(shape: TreeShape, parent: int, logits: Tensor, tokens: List[int], q_at
     """Set the tokens of `parent`'s children from the drafter's logits there: its ranked tokens when
     greedy, else independent samples of its warped, top-`draft_top_k` distribution (kept in q_at)."""
     kids = shape.children(parent)
+    if not kids:
+        return
     if config.greedy:
         ranked = _top(logits, 1 + max(shape.ranks[c] for c in kids))
         for c in kids:
@@ -91,7 +92,7 @@ def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape
     return tokens, fed, q_at
 
 
-def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], shape: Optional[TreeShape],
+def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], shape: TreeShape,
                 hidden_layers: Optional[Sequence[int]] = None, config: Optional[DecodeConfig] = None,
                 q_at: Optional[Dict[int, Tensor]] = None, generator: Optional[torch.Generator] = None,
                 ) -> Tuple[List[int], int, Optional[Tensor]]:
@@ -101,11 +102,7 @@ def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], sha
     Returns (accepted node path, next token, hidden states [L, D] at the row that chose it)."""
     config = config if config is not None else DecodeConfig()
     start = verifier.length
-    size = 0 if shape is None else shape.size
-    if shape is None:  # no nodes (the budget's last token): one row, the pending token's
-        out = verifier.extend([pending], hidden_layers)
-        path, token, row = _accept(ROOT_ONLY, [], out.logits, config, {}, generator)
-        return path, token, (out.hidden[:, row] if hidden_layers else None)
+    size = shape.size
     among = ancestor_mask(shape, range(size), range(size), with_root=True)  # [N, N + 1]
     root = torch.zeros(1, size + 1, dtype=torch.bool)
     root[0, 0] = True
@@ -155,9 +152,7 @@ def tree_generate(
         n = len(committed)
         t0 = time.perf_counter()
         here = _pruned(shape, room - 1)
-        tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft) if here is not None else ([], [], {})
-        if here is None:
-            drafter.extend(committed[drafter.length:])  # keep the drafter caught up (pending fed)
+        tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft)
         t1 = time.perf_counter()
         path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify)
         t2 = time.perf_counter()

@@ -43,7 +43,7 @@ class TreeShape:
 
     @property
     def depth(self) -> int:
-        return max(self.depths)
+        return max(self.depths, default=0)
 
     def spec(self) -> str:
         return ",".join("".join(str(r) for r in p) for p in self.paths)
@@ -63,9 +63,6 @@ class TreeShape:
             out.append(parent)
             parent = self.parents[parent]
         return out[::-1]
-
-    def max_rank(self) -> int:
-        return max(self.ranks)
 
 
 def parse_tree(spec: str) -> TreeShape:

@@ -206,7 +206,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
     verification = parse_verification_arg(args)
-    tree = tree_from_args(args, params, verification.lossy)
+    tree = tree_from_args(args, verification.lossy)
     policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
@@ -259,7 +259,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
-def tree_from_args(args: argparse.Namespace, params: SamplingParams, lossy: bool):
+def tree_from_args(args: argparse.Namespace, lossy: bool):
     """The --tree draft tree, or None; refused in one line where it cannot run (it is exact, in
     process, and replaces the draft-length policy)."""
     spec = getattr(args, "tree", None)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from steerspec.models.layouts import (ONEDNN_ENV, LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
+from steerspec.models.layouts import (DEFAULT_ONEDNN_MIN_ROWS, ONEDNN_ENV, LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
                                       onednn_min_rows, out_major, out_major_rows, packed)
 from steerspec.models.loading import cache_kwarg
 
@@ -190,23 +190,24 @@ class FastCachedLM(CachedLM):
         """Time a one-row pass on the model's input-major weights and on the oneDNN-packed copies, and
         use the packed ones for one row too where they are faster: on AVX-512 EPYCs they are (SmolLM2:
         43 → 34 ms), on the AVX2 ones not. Measured once per model, thread count and process."""
-        if self.device.type != "cpu" or self._packed_from != 2 or os.environ.get(ONEDNN_ENV) is not None:
+        if self.device.type != "cpu" or self._packed is None or os.environ.get(ONEDNN_ENV) is not None:
             return  # no copies, or the environment decides
         verdicts = self.model.__dict__.setdefault(ONE_ROW_ATTR, {})
         threads = torch.get_num_threads()
         if threads not in verdicts:
-            times = {1: [], 2: []}
+            times = {1: [], DEFAULT_ONEDNN_MIN_ROWS: []}
             length = self.length
             for rep in range(repeats + 1):
-                for rows_from in (2, 1):
+                for rows_from in times:
                     self._packed_from = rows_from
                     t0 = time.perf_counter()
                     self.extend([0])
                     if rep:  # the first round warms both up
                         times[rows_from].append(time.perf_counter() - t0)
                     self.rollback(length)
-            verdicts[threads] = statistics.median(times[1]) < self.ONE_ROW_MARGIN * statistics.median(times[2])
-        self._packed_from = 1 if verdicts[threads] else 2
+            one, default = (statistics.median(times[rows]) for rows in (1, DEFAULT_ONEDNN_MIN_ROWS))
+            verdicts[threads] = one < self.ONE_ROW_MARGIN * default
+        self._packed_from = 1 if verdicts[threads] else DEFAULT_ONEDNN_MIN_ROWS
 
     def refresh(self) -> None:
         """Re-read parameter references from the model (after replacing modules or parameters)."""
