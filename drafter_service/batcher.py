@@ -2,8 +2,9 @@
 
 `DraftBatcher` collects the sessions that ask for a block for at most `window_s` (ending early
 once every active session has asked) and hands them to `draft_many` (Drafter.draft_many: one
-batched forward pass per draft step) on a single compute thread, so the per-step Python cost is
-paid once per batch. A lone session drafts inline on the event loop (no thread hop, no wait).
+batched forward pass per draft step), so the per-step Python cost is paid once per batch: on the
+event loop's thread for a CPU model (steerspec/compute.py), else on a single compute thread, where
+a lone session drafts inline on the event loop (no thread hop, no wait).
 Requests that arrive while a batch computes form the next batch.
 """
 
@@ -33,9 +34,9 @@ class DraftBatcher(WindowBatcher[DraftJob, DraftOutput]):
     """Draft requests of concurrent sessions served by one `draft_many` call on one compute thread."""
 
     def __init__(self, draft_many: DraftMany, window_s: float, expected: Callable[[], int],
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, inline: bool = False) -> None:
         super().__init__(lambda jobs: draft_many([job.session for job in jobs]), window_s, expected,
-                         max_batch=max_batch, thread_name="draft")
+                         max_batch=max_batch, thread_name="draft", inline=inline)
 
     async def submit(self, session: DrafterSession) -> DraftOutput:  # type: ignore[override]
         """Draft the session's next block, batched with whoever asks at about the same time."""

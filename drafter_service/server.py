@@ -24,6 +24,7 @@ import torch
 
 from steerspec import rounds
 from steerspec import wire
+from steerspec.compute import inline_compute
 from steerspec.models.kv import prepare_weight_copies
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
@@ -75,7 +76,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.vocab_size = self.drafter.vocab_size
         self.table = DrafterSessionTable(model, config.max_sessions)
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
-                                    max_batch=config.max_sessions)
+                                    max_batch=config.max_sessions, inline=inline_compute(model))
         self._head = None  # the SPRINTER head, loaded by the first lossy session
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
@@ -269,8 +270,12 @@ async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int
     """Start a drafter server; returns (RunningServer, servicer)."""
     from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 
-    # the weight copies of multi-row CPU passes and the one-row layout's timing, before serving
-    await asyncio.to_thread(prepare_weight_copies, model)
+    # the weight copies of multi-row CPU passes and the one-row layout's timing, before serving, on
+    # the thread that will run the passes (steerspec/compute.py)
+    if inline_compute(model):
+        prepare_weight_copies(model)
+    else:
+        await asyncio.to_thread(prepare_weight_copies, model)
     servicer = DrafterServicer(model, config, hooks)
     running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
                                  [SERVICE_NAME], host=host, port=port,

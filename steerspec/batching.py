@@ -2,9 +2,11 @@
 
 `WindowBatcher.submit(job)` hands concurrent sessions' jobs to one `compute(jobs) -> results`
 call: it collects for at most `window_s` after the first job (ending early once every active
-session has submitted) and runs the batch on a single compute thread, so the event loop keeps
-reading other streams. A lone session computes inline (no thread hop, no wait). A job is any
-object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and `future` attributes.
+session has submitted) and runs the batch. With `inline` (a CPU model: steerspec/compute.py says
+why) every call runs on the event loop's thread; otherwise batches run on a single compute thread,
+so the loop keeps reading other streams, and a lone session computes inline (no thread hop, no
+wait). A job is any object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and
+`future` attributes.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ class WindowBatcher(Generic[J, R]):
     """Collects jobs for at most `window_s`, or until `expected()` sessions have submitted."""
 
     def __init__(self, compute: Callable[[List[J]], Sequence[R]], window_s: float, expected: Callable[[], int],
-                 max_batch: int = 64, thread_name: str = "compute") -> None:
+                 max_batch: int = 64, thread_name: str = "compute", inline: bool = False) -> None:
         self.compute = compute
+        self.inline = bool(inline)
         self.window_s = max(0.0, float(window_s))
         self.expected = expected
         self.max_batch = max(1, int(max_batch))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self.executor = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._pending: List[J] = []
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -58,12 +61,13 @@ class WindowBatcher(Generic[J, R]):
 
     async def run_compute(self, fn, *args, hold: Sequence = ()):
         """Run `fn(*args)` on the compute thread (serialised with batches), or inline on the event
-        loop when at most one session is active: a thread hop costs milliseconds on a loaded host.
+        loop when the batcher is inline or at most one session is active (a thread hop costs
+        milliseconds on a loaded host).
 
         The sessions in `hold` keep their caches until `fn` has returned on that thread, even when
         they close (or this call is cancelled) meanwhile: see `free_cache`.
         """
-        if self.expected() <= 1 and not self._busy:
+        if self.inline or (self.expected() <= 1 and not self._busy):
             return fn(*args)
         loop = asyncio.get_running_loop()
         self._busy += 1
@@ -145,4 +149,5 @@ class WindowBatcher(Generic[J, R]):
             if job.future is not None and not job.future.done():
                 job.future.cancel()
         self._pending = []
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)

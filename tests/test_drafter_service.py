@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -202,11 +203,21 @@ async def test_concurrent_sessions_are_drafted_in_batches_exactly(pair):
     alone = [await _scripted_session(pair.drafter, *spec) for spec in specs]
     running, servicer = await serve_drafter(pair.drafter_model, DrafterConfig(batch_window_ms=500.0),
                                             hooks=pair.hooks)
+    # a CPU drafter drafts its batches on the loop's thread, where it was loaded (steerspec/compute.py)
+    assert servicer.batcher.inline and servicer.batcher.executor is None
+    threads, draft_many = set(), servicer.batcher.compute
+
+    def compute(jobs):
+        threads.add(threading.get_ident())
+        return draft_many(jobs)
+
+    servicer.batcher.compute = compute
     channel = grpc.aio.insecure_channel(running.target)
     try:
         stub = drafter_pb2_grpc.DrafterServiceStub(channel)
         together = await asyncio.gather(*[_scripted_session(stub, *spec) for spec in specs])
         assert servicer.batcher.max_batch_seen >= 2 and servicer.batcher.batched_blocks > servicer.batcher.batches
+        assert threads == {threading.get_ident()}
     finally:
         await channel.close()
         await running.stop(0.5)

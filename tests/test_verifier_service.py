@@ -306,12 +306,69 @@ async def test_cli_serves_with_device_map_and_stops_gracefully(tmp_path):
             proc.wait()
 
 
-async def test_cancelling_a_session_mid_batch_keeps_the_batch_exact(model):
-    """A stream cancelled while its block is in a batch on the compute thread: the batch still runs on
-    that session's cache, the other session's result is exact, and the cancelled cache is freed after."""
+async def test_a_cpu_replica_verifies_batches_on_the_event_loops_thread(model, monkeypatch):
+    """On a CPU every pass (prefill, lone blocks, batches of two) runs on the thread that loaded the model
+    and runs the loop: a second thread computing would give the process a second OpenMP pool and slow
+    every pass (steerspec/compute.py). The batched results stay exact."""
+    import threading
+
+    monkeypatch.delenv("STEERSPEC_INLINE_COMPUTE", raising=False)
+    srv = await start(model, batch_window_ms=500.0)
+    assert srv.servicer.batcher.inline and srv.servicer.batcher.executor is None
+    threads, sizes = set(), []
+    real_run, real_prefill = srv.servicer.runner.run, srv.servicer.runner.prefill
+
+    def run(jobs):
+        threads.add(threading.get_ident())
+        sizes.append(len(jobs))
+        return real_run(jobs)
+
+    def prefill(*args):
+        threads.add(threading.get_ident())
+        return real_prefill(*args)
+
+    srv.servicer.runner.run = srv.servicer.batcher.compute = run
+    srv.servicer.runner.prefill = prefill
+    try:
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+        references = [greedy_reference(model, p, 4) for p in prompts]
+        calls = [(await open_verifier(srv.stub, p))[0] for p in prompts]
+        replies = await asyncio.gather(*(verify(call, 1, len(p), ref[:3])
+                                         for call, p, ref in zip(calls, prompts, references)))
+        for reply, ref in zip(replies, references):
+            assert reply.WhichOneof("kind") == "result", reply
+            assert reply.result.accepted == 3 and reply.result.next_token == ref[3]
+        assert 2 in sizes, sizes  # the two blocks were verified in one batch
+        assert threads == {threading.get_ident()}, "a pass ran off the event loop's thread"
+        for call in calls:
+            await call.done_writing()
+    finally:
+        await srv.stop()
+
+
+def test_inline_compute_follows_the_models_device(monkeypatch):
+    """CPU models compute inline, GPU models on a compute thread; the environment variable overrides."""
+    from types import SimpleNamespace
+
+    from steerspec.compute import INLINE_ENV, inline_compute
+
+    cpu, gpu = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    monkeypatch.delenv(INLINE_ENV, raising=False)
+    assert inline_compute(cpu) and not inline_compute(gpu)
+    monkeypatch.setenv(INLINE_ENV, "0")
+    assert not inline_compute(cpu)
+    monkeypatch.setenv(INLINE_ENV, "1")
+    assert inline_compute(gpu)
+
+
+async def test_cancelling_a_session_mid_batch_keeps_the_batch_exact(model, monkeypatch):
+    """A stream cancelled while its block is in a batch on the compute thread (a GPU replica's; forced
+    here): the batch still runs on that session's cache, the other session's result is exact, and the
+    cancelled cache is freed after."""
     import threading
     import time
 
+    monkeypatch.setenv("STEERSPEC_INLINE_COMPUTE", "0")
     srv = await start(model, batch_window_ms=500.0)
     real_run, entered, seen = srv.servicer.runner.run, threading.Event(), {}
 

@@ -218,6 +218,7 @@ class VerifyRunner:
 class Batcher(WindowBatcher[VerifyJob, JobResult]):
     """Blocks of concurrent sessions verified in one forward pass (`VerifyRunner.run`) on one thread."""
 
-    def __init__(self, runner: VerifyRunner, window_s: float, expected: Callable[[], int], max_batch: int = 64) -> None:
-        super().__init__(runner.run, window_s, expected, max_batch=max_batch, thread_name="verify")
+    def __init__(self, runner: VerifyRunner, window_s: float, expected: Callable[[], int], max_batch: int = 64,
+                 inline: bool = False) -> None:
+        super().__init__(runner.run, window_s, expected, max_batch=max_batch, thread_name="verify", inline=inline)
         self.runner = runner

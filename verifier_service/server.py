@@ -21,6 +21,7 @@ import grpc
 
 from steerspec import rounds
 from steerspec import wire
+from steerspec.compute import inline_compute
 from steerspec.models.kv import prepare_weight_copies
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
@@ -69,7 +70,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                   config.kv_backend)
         self.runner = VerifyRunner(model, steering_head)
         self.batcher = Batcher(self.runner, config.batch_window_ms / 1e3, lambda: self.table.ready_count,
-                               max_batch=config.max_batch)
+                               max_batch=config.max_batch, inline=inline_compute(model))
         self.device = model.device
         self._tracer = None
         try:
@@ -81,8 +82,12 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             self._tracing = None
 
     async def start(self) -> None:
-        # the weight copies of multi-row CPU passes, made before serving rather than in the first block
-        await asyncio.to_thread(prepare_weight_copies, self.model)
+        # the weight copies of multi-row CPU passes, made before serving rather than in the first block,
+        # on the thread that will run the passes (steerspec/compute.py)
+        if self.batcher.inline:
+            prepare_weight_copies(self.model)
+        else:
+            await asyncio.to_thread(prepare_weight_copies, self.model)
         self.batcher.start()
 
     async def close(self) -> None:
