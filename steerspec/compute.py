@@ -4,8 +4,8 @@ libgomp (the OpenMP runtime of torch's CPU wheels) gives every thread that runs 
 its own pool of worker threads. Once a process holds more such threads than it has CPUs, every
 pool's barriers stop spinning and sleep instead (GOMP's throttled spin count), and each of the
 hundreds of small parallel regions in a pass pays a futex wake-up. On 2 cores a one-row
-SmolLM2-135M pass takes 35 ms on the only computing thread and 52-57 ms on either thread once a
-second one has computed (`python scripts/omp_pools.py`). A server that loads its model on the
+SmolLM2-135M pass takes 33-35 ms on the only computing thread and 44-57 ms on either thread once a
+second one has computed (`python scripts/omp_pools.py`, two runs). A server that loads its model on the
 loop's thread and then verifies or drafts on an executor thread, or makes its weight copies in
 `asyncio.to_thread`, is in that state for good. On a CPU the passes therefore run inline on the
 loop's thread, where the model was loaded; a GPU pass leaves the CPU idle while it runs, so there
