@@ -346,6 +346,54 @@ async def test_a_cpu_replica_verifies_batches_on_the_event_loops_thread(model, m
         await srv.stop()
 
 
+@pytest.mark.parametrize("kv_backend", ["fast", "hf"])
+async def test_a_long_prompt_is_prefilled_in_chunks_with_the_loop_running(model, monkeypatch, kv_backend):
+    """On a CPU replica a prompt longer than --prefill-chunk goes in chunks, with the event loop running
+    between them; the session then verifies as with a one-pass prefill: same steering vector for block 1
+    (to fp32 noise), same accepted count and next token."""
+    monkeypatch.delenv("STEERSPEC_INLINE_COMPUTE", raising=False)
+    head = SteeringHead(model.config.hidden_size, default_layers(model.config.num_hidden_layers))
+    with torch.no_grad():
+        head.proj.weight.add_(0.05 * torch.randn_like(head.proj.weight))
+    head = head.eval()
+    prompt = [(7 * i + 3) % 50 + 1 for i in range(14)]
+    reference = greedy_reference(model, prompt, 4)
+    replies = {}
+    for chunk in (0, 3):
+        srv = await start(model, prefill_chunk=chunk, kv_backend=kv_backend, steering_head=head)
+        calls, ticks = [], 0
+        real_chunk = srv.servicer.runner.prefill_chunk
+
+        def counted(*args):
+            calls.append((args[2], args[3], ticks))
+            return real_chunk(*args)
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        srv.servicer.runner.prefill_chunk = counted
+        tick_task = asyncio.ensure_future(ticker())
+        try:
+            call, ready = await open_verifier(srv.stub, prompt, steering=True)
+            reply = await verify(call, 1, len(prompt), reference[:3])
+            await call.done_writing()
+        finally:
+            tick_task.cancel()
+            await srv.stop()
+        assert ready.WhichOneof("kind") == "ready" and ready.ready.committed_length == len(prompt)
+        assert reply.WhichOneof("kind") == "result" and reply.result.accepted == 3
+        assert reply.result.next_token == reference[3]
+        replies[chunk] = (wire.tensor_from_proto(ready.ready.steering), calls)
+    assert replies[0][1] == []  # one pass
+    chunks = replies[3][1]
+    assert [(a, b) for a, b, _ in chunks] == [(0, 3), (3, 6), (6, 9), (9, 12)]  # then 12 is fed with the steering taps
+    assert len({t for _, _, t in chunks}) == len(chunks), "the loop did not run between chunks"
+    torch.testing.assert_close(replies[3][0], replies[0][0], atol=1e-5, rtol=1e-4)
+
+
 def test_inline_compute_follows_the_models_device(monkeypatch):
     """CPU models compute inline, GPU models on a compute thread; the environment variable overrides."""
     from types import SimpleNamespace
@@ -484,3 +532,18 @@ async def test_the_weight_copies_of_multi_row_passes_are_made_before_serving(tmp
         assert len(fresh.__dict__[attr]) == 7 * fresh.config.num_hidden_layers + 1
     finally:
         await srv.stop()
+
+
+def test_serve_verifier_prefill_chunk_flag():
+    """--prefill-chunk defaults to the config's 512 and refuses a negative count in one line."""
+    import argparse
+
+    from steerspec.errors import UsageError
+    from verifier_service import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args([]).prefill_chunk == VerifierConfig().prefill_chunk == 512
+    assert parser.parse_args(["--prefill-chunk", "0"]).prefill_chunk == 0
+    with pytest.raises(UsageError, match="--prefill-chunk"):
+        cli.run(parser.parse_args(["--prefill-chunk", "-1"]))

@@ -81,13 +81,24 @@ class VerifyRunner:
         return self.head.initial(1)[0].float()
 
     @torch.inference_mode()
-    def prefill(self, session: VerifierSession, prompt: List[int]) -> Optional[Tensor]:
-        """Feed prompt[:-1]; return the steering vector for block 1 when the session asked for one."""
+    def prefill_chunk(self, session: VerifierSession, prompt: List[int], start: int, end: int) -> None:
+        """Feed prompt[start:end] (a chunk of a long prompt's prefill; the cache is emptied at start 0)."""
+        if start == 0:
+            session.lm.reset()
+        if session.lm.length != start:
+            raise RuntimeError(f"prefill chunk at {start} on a cache of {session.lm.length} tokens")
+        session.lm.extend(prompt[start:end], logits_to_keep=1)
+
+    @torch.inference_mode()
+    def prefill(self, session: VerifierSession, prompt: List[int], start: int = 0) -> Optional[Tensor]:
+        """Feed prompt[start:-1] (prompt[:start] is cached already, by `prefill_chunk`); return the
+        steering vector for block 1 when the session asked for one."""
         if isinstance(session.lm, FastCachedLM):  # fast/graphed cache, on either path
-            return fast_verify.prefill(self, session, prompt)
+            return fast_verify.prefill(self, session, prompt, start)
         lm = session.lm
-        lm.reset()
-        feed = prompt[:-1]
+        if start == 0:
+            lm.reset()
+        feed = prompt[start:-1]
         want = session.steering and self.head is not None
         if not feed:
             return self.initial_steering() if want else None

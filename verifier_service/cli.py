@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="longest wait to batch blocks of concurrent sessions (ends early when all submitted)")
     parser.add_argument("--max-batch", type=int, default=64, help="most blocks in one forward pass")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="on a CPU, feed longer prompts in passes of this many tokens with the event loop "
+                             "running between them (0 = one pass)")
     parser.add_argument("--kv-backend", default="auto", choices=["auto", "fast", "hf"],
                         help="sessions' KV caches: auto (the device path's graphed cache on CUDA, else the lean "
                              "fast forward), fast, or hf (transformers' forward and cache)")
@@ -91,7 +94,7 @@ async def _main(args) -> int:
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
                             max_batch=args.max_batch, kv_backend=args.kv_backend,
-                            model_name=str(args.model))
+                            prefill_chunk=args.prefill_chunk, model_name=str(args.model))
     metrics = service_metrics.start("verifier", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, steering_head=head,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
@@ -117,6 +120,8 @@ def run(args) -> int:
         raise UsageError("--max-sessions must be at least 1")
     if args.batch_window_ms < 0:
         raise UsageError("--batch-window-ms must be >= 0")
+    if args.prefill_chunk < 0:
+        raise UsageError("--prefill-chunk must be >= 0 (0 = the whole prompt in one pass)")
     registration.check_args(args)
     if args.threads > 0:
         import torch

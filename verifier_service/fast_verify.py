@@ -58,12 +58,13 @@ def _head(runner, states: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def prefill(runner, session, prompt: List[int]) -> Optional[Tensor]:
-    """`VerifyRunner.prefill` on a fast/graphed cache (either path): feed prompt[:-1]; steering for
-    block 1."""
+def prefill(runner, session, prompt: List[int], start: int = 0) -> Optional[Tensor]:
+    """`VerifyRunner.prefill` on a fast/graphed cache (either path): feed prompt[start:-1] (the rest is
+    cached); steering for block 1."""
     lm = session.lm
-    lm.reset()
-    feed = prompt[:-1]
+    if start == 0:
+        lm.reset()
+    feed = prompt[start:-1]
     want = session.steering and runner.head is not None
     if not feed:
         return runner.initial_steering() if want else None

@@ -15,9 +15,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import grpc
+import torch
 
 from steerspec import rounds
 from steerspec import wire
@@ -47,6 +48,7 @@ class VerifierConfig:
     replica: str = ""
     model_name: str = ""
     kv_backend: str = "auto"  # sessions' KV caches: auto | fast | hf (verifier_service/fast_verify.session_lm)
+    prefill_chunk: int = 512  # an inline (CPU) replica feeds longer prompts in passes of this many tokens; 0 = one
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> verifier_pb2.VerifyResponse:
@@ -143,7 +145,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                   sprinter=_lossy(msg.verification))
         start = time.perf_counter()
         try:
-            steering = await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, hold=(session,))
+            steering = await self._prefill(session, prompt_ids)
         except BaseException:
             self.table.close(session)
             raise
@@ -155,6 +157,21 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         if steering is not None:
             ready.steering.CopyFrom(wire.tensor_to_proto(steering))
         return session, ready
+
+    async def _prefill(self, session: VerifierSession, prompt_ids: List[int]) -> Optional[torch.Tensor]:
+        """Feed the prompt; returns block 1's steering (or None). Passes run on the loop's thread on a CPU
+        (steerspec/compute.py), so a long prompt goes in `prefill_chunk`-token passes with the loop running
+        between them: heartbeats and other sessions' blocks wait for one chunk (512 tokens: about 0.9 s
+        for SmolLM2 on 2 cores), not for the whole prompt (2,048 tokens: 5 s in one pass)."""
+        done, chunk = 0, int(self.config.prefill_chunk)
+        if self.batcher.inline and chunk > 0:
+            while len(prompt_ids) - 1 - done > chunk:
+                self.runner.prefill_chunk(session, prompt_ids, done, done + chunk)
+                done += chunk
+                await asyncio.sleep(0)
+                if session.closed:
+                    raise ProtocolError(grpc.StatusCode.CANCELLED, "the session closed during its prefill")
+        return await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, done, hold=(session,))
 
     def _check_block(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> wire.WireBlock:
         if session.last_seq is not None and msg.seq != session.last_seq + 1:
