@@ -197,3 +197,17 @@ def test_the_hf_backend_passes_its_cache_by_the_name_this_transformers_takes(loa
         lm.extend([3, 4, 5])
         lm.extend([6])
     assert lm.length == 4
+
+
+def test_a_prefill_from_empty_uses_the_causal_kernel_and_matches(loaded_pair):
+    """A fast-cache prefill from an empty cache (SDPA's causal kernel, no mask) gives every position the
+    transformers forward's logits, and what the same ids give fed in two parts (the masked path)."""
+    verifier, _, _ = loaded_pair
+    ids = torch.randint(0, verifier.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    whole = cached_lm(verifier, "fast").extend(ids).logits
+    with torch.no_grad():
+        reference = verifier(input_ids=ids).logits[0]
+    torch.testing.assert_close(whole, reference, atol=ATOL, rtol=0)
+    parts = cached_lm(verifier, "fast")
+    first, second = parts.extend(ids[:, :10]).logits, parts.extend(ids[:, 10:]).logits
+    torch.testing.assert_close(torch.cat([first, second]), whole, atol=ATOL, rtol=0)

@@ -384,7 +384,8 @@ class FastCachedLM(CachedLM):
             cos = self._cos[start:end].view(1, 1, n, self.head_dim)
             sin = self._sin[start:end].view(1, 1, n, self.head_dim)
             mask = None
-        if n > 1 and positions is None:
+        causal = n > 1 and positions is None and start == 0  # a prefill from empty: SDPA's causal kernel
+        if n > 1 and positions is None and not causal:
             # new row i sees every cached token and new tokens 0..i
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
         hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
@@ -421,8 +422,8 @@ class FastCachedLM(CachedLM):
             keys, values = self._keys[index], self._values[index]
             keys[:, :, start:end] = k
             values[:, :, start:end] = v
-            o = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                               is_causal=causal, scale=self.scaling, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(1, n, heads * hd)
             if hooked:
                 mlp = layer.mlp
