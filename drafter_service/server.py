@@ -13,7 +13,6 @@ Blocks of sessions that ask at about the same time are drafted together (drafter
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -270,12 +269,7 @@ async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int
     """Start a drafter server; returns (RunningServer, servicer)."""
     from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 
-    # the weight copies of multi-row CPU passes and the one-row layout's timing, before serving, on
-    # the thread that will run the passes (steerspec/compute.py)
-    if inline_compute(model):
-        prepare_weight_copies(model)
-    else:
-        await asyncio.to_thread(prepare_weight_copies, model)
+    prepare_weight_copies(model)  # before serving, on the loop's thread (steerspec/compute.py)
     servicer = DrafterServicer(model, config, hooks)
     running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
                                  [SERVICE_NAME], host=host, port=port,

@@ -84,12 +84,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             self._tracing = None
 
     async def start(self) -> None:
-        # the weight copies of multi-row CPU passes, made before serving rather than in the first block,
-        # on the thread that will run the passes (steerspec/compute.py)
-        if self.batcher.inline:
-            prepare_weight_copies(self.model)
-        else:
-            await asyncio.to_thread(prepare_weight_copies, self.model)
+        prepare_weight_copies(self.model)  # before serving, on the loop's thread (steerspec/compute.py)
         self.batcher.start()
 
     async def close(self) -> None:

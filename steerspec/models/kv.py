@@ -514,9 +514,11 @@ BACKENDS = ("auto", "fast", "hf", "graphed")
 
 
 def prepare_weight_copies(model) -> int:
-    """Make now the weight copies that multi-row CPU passes of `model` read (models/layouts.py), so
-    that a server's first block does not pay for them (2-3 s for SmolLM2-135M); returns how many
-    row-count plans were prepared (0 off the CPU, for other architectures or with the copies off)."""
+    """Make now the weight copies that multi-row CPU passes of `model` read (models/layouts.py), and
+    time its one-row layout, so that a server's first block does not pay for them (2-3 s for
+    SmolLM2-135M); call it on the thread that runs the passes (steerspec/compute.py: a second
+    computing thread slows every pass). Returns how many row-count plans were prepared (0 off the
+    CPU, for other architectures or with the copies off)."""
     if model.device.type != "cpu" or not FastCachedLM.supports(model):
         return 0
     lm = FastCachedLM(model, capacity=1)
