@@ -116,17 +116,20 @@ class ResumeMismatch(RuntimeError):
 
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
-             steering, session_id, verification="exact") -> coordinator_pb2.GenerateRequest:
+             steering, session_id, verification="exact", tree="") -> coordinator_pb2.GenerateRequest:
     from steerspec.sprinter.spec import parse_verification
+    from steerspec.trees import parse_tree
 
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("pass exactly one of prompt (text) or prompt_ids")
     parse_verification(verification)  # a bad spec is a ValueError here, before any call
+    if tree:
+        parse_tree(tree)  # likewise
     return coordinator_pb2.GenerateRequest(
         prompt=prompt or "", prompt_ids=list(prompt_ids or []), max_new_tokens=max_new_tokens,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed, k=k,
         draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
-        session_id=session_id or uuid.uuid4().hex, verification=verification)
+        session_id=session_id or uuid.uuid4().hex, verification=verification, tree=tree or "")
 
 
 class _Dedup:
@@ -261,12 +264,13 @@ class Client:
                  seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
                  policy: str = "fixed",
                  steering: bool = False, session_id: Optional[str] = None,
-                 timeout: Optional[float] = None, verification: str = "exact") -> Iterator[Item]:
-        """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator)."""
+                 timeout: Optional[float] = None, verification: str = "exact", tree: str = "") -> Iterator[Item]:
+        """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator). `tree`: a draft tree's
+        rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
-                           steering=steering, session_id=session_id, verification=verification)
+                           steering=steering, session_id=session_id, verification=verification, tree=tree)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0
@@ -293,12 +297,13 @@ class Client:
                         max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
                         policy: str = "fixed", steering: bool = False, session_id: Optional[str] = None,
-                        timeout: Optional[float] = None, verification: str = "exact") -> AsyncIterator[Item]:
+                        timeout: Optional[float] = None, verification: str = "exact",
+                        tree: str = "") -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
-                           steering=steering, session_id=session_id, verification=verification)
+                           steering=steering, session_id=session_id, verification=verification, tree=tree)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0

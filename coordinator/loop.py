@@ -138,6 +138,7 @@ class SessionRequest:
     steering: bool = False
     session_id: str = ""
     verification: str = "exact"  # or "sprinter[:...]" (lossy; the coordinator admits it only with --allow-lossy)
+    tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/trees.py)
 
     @property
     def lossy(self) -> bool:
@@ -167,6 +168,7 @@ class SessionRequest:
             self.sampling.validate()
         except ValueError as exc:
             raise _invalid(str(exc)) from None
+        self._validate_tree()
         try:
             parse_spec(self.policy or "fixed")
             limit = self.block_limit
@@ -185,8 +187,34 @@ class SessionRequest:
         """Most draft tokens per block, what both services are opened with: k for a bare `fixed`,
         otherwise the policy's own bound (gmax, max or k of its spec), so adaptive policies draft as
         long through the services as in process."""
+        if self.tree:
+            return self.tree_shape().size  # a block carries up to every node of the tree
         spec = (self.policy or "fixed").strip()
         return self.k if spec == "fixed" else max_block(spec)
+
+    def tree_shape(self):
+        """The parsed draft tree (steerspec.trees.TreeShape); ValueError on a bad spec."""
+        from steerspec.trees import parse_tree
+
+        return parse_tree(self.tree)
+
+    def _validate_tree(self) -> None:
+        """A tree session: speculative, exact, fixed policy (the tree replaces k); the spec normalised."""
+        if not (self.tree or "").strip():
+            self.tree = ""
+            return
+        try:
+            shape = self.tree_shape()
+        except ValueError as exc:
+            raise _invalid(f"tree: {exc}") from None
+        if self.mode != "speculative":
+            raise _invalid("a draft tree needs mode 'speculative'")
+        if self.verification_spec().lossy:
+            raise _invalid("a draft tree is verified exactly: send verification 'exact' or no tree")
+        if (self.policy or "fixed").split(":")[0] != "fixed":
+            raise _invalid(f"a draft tree replaces the draft length: policy '{self.policy}' does not apply; send "
+                           "policy 'fixed' (or none)")
+        self.tree = shape.spec()
 
     def _validate_verification(self) -> None:
         """A SPRINTER session: speculative, fixed policy, k = its max_run (the longest run one call verifies)."""
@@ -214,7 +242,7 @@ class SessionRequest:
                 "temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                 "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
                 "mode": self.mode, "policy": self.policy, "steering": self.steering,
-                "verification": self.verification}
+                "verification": self.verification, "tree": self.tree}
 
     @classmethod
     def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
@@ -222,7 +250,7 @@ class SessionRequest:
                    sampling=SamplingParams(float(p["temperature"]), int(p["top_k"]), float(p["top_p"])),
                    seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
                    policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id,
-                   verification=str(p.get("verification", "exact")))
+                   verification=str(p.get("verification", "exact")), tree=str(p.get("tree", "")))
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         s = self.sampling
@@ -360,7 +388,7 @@ class SessionLoop:
             opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering,
-                verification=self.req.verification))
+                verification=self.req.verification, tree=self.req.tree if self.use_drafter else ""))
             try:
                 await self.link.up(opening.ByteSize())  # the open crosses the emulated link too
                 await stream.write(opening)
@@ -406,7 +434,7 @@ class SessionLoop:
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), k=self.req.block_limit, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
                 max_new_tokens=self.remaining, policy_state=self.policy_state,
-                traceparent=self._begin_block_span(), verification=self.req.verification)
+                traceparent=self._begin_block_span(), verification=self.req.verification, tree=self.req.tree)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             try:
@@ -509,7 +537,7 @@ class SessionLoop:
                         from steerspec.tracing import traceparent
 
                         block.traceparent = traceparent(span)  # the verifier's spans become its children
-                    _truncate_block(block, self.room - 1)  # a block commits at most k + 1 tokens
+                    _truncate_block(block, self._block_room())  # a block commits at most k + 1 tokens
                     kept, finish = self._commit_kept(block)
                     if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
                         yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))
@@ -538,7 +566,8 @@ class SessionLoop:
                     raise SessionError(grpc.StatusCode.INTERNAL,
                                        f"verifier result does not match the block (accepted {accepted} of {drafted}, "
                                        f"{n_kept} kept, committed_length {result.committed_length})")
-                new, stop = rounds.commit_block(block.draft_ids[n_kept:], accepted - n_kept, result.next_token,
+                drafts = self._accepted_drafts(block, result)
+                new, stop = rounds.commit_block(drafts[n_kept:], accepted - n_kept, result.next_token,
                                                 self.room, self.remaining, self.cfg.eos_ids)
                 finish = stop or ""
                 self.generated.extend(new)
@@ -577,6 +606,28 @@ class SessionLoop:
             await self._close_streams()
             for kind, address in list(self._placed):
                 self._unplace(kind, address)
+
+    def _block_room(self) -> int:
+        """Draft tokens the next block may keep: room - 1 for a chain; for a tree, its nodes down to depth
+        room - 1 (a breadth-first prefix: the cut the in-process engine makes near the budget)."""
+        if not self.req.tree or not self.use_drafter:
+            return self.room - 1
+        from steerspec.trees import cut_to_depth
+
+        return cut_to_depth(self.req.tree_shape(), self.room - 1).size
+
+    def _accepted_drafts(self, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> List[int]:
+        """The block's drafts in commit order: a chain's own, a tree's along the accepted path."""
+        if not self.req.tree or not self.use_drafter:
+            return list(block.draft_ids)
+        from steerspec.trees import prefix
+
+        try:
+            wire.check_path(prefix(self.req.tree_shape(), len(block.draft_ids)), list(result.path),
+                            int(result.accepted), int(block.seq))
+        except wire.ProtocolError as exc:
+            raise SessionError(grpc.StatusCode.INTERNAL, f"verifier {self.verifier.address}: {exc.message}") from None
+        return [int(block.draft_ids[node]) for node in result.path]
 
     def _commit_kept(self, block: common_pb2.DraftBlock) -> Tuple[List[int], str]:
         """SPRINTER: commit the block's kept tokens now, before its verifier call (the run's last token is

@@ -24,11 +24,13 @@ import torch
 from steerspec import rounds
 from steerspec import wire
 from steerspec.compute import inline_compute
-from steerspec.models.kv import prepare_weight_copies
+from steerspec.models.graphed import GraphedLM
+from steerspec.models.kv import FastCachedLM, prepare_weight_copies
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from steerspec.session_stream import SessionStreamServicer, StreamSpec
+from steerspec.trees import prefix
 from steerspec.wire import ProtocolError, code_number
 from drafter_service.batcher import DraftBatcher
 from drafter_service.sessions import (Drafter, DrafterSession, DrafterSessionTable, Proposal, SprinterRun,
@@ -148,12 +150,22 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         verification = _verification(msg.verification)
+        tree = wire.tree_from_proto(msg.tree)
+        if tree is not None:
+            if verification.lossy:
+                raise wire.invalid("a draft tree is verified exactly: open the session with verification 'exact' "
+                                   "or without a tree")
+            if (msg.policy or "fixed").split(":")[0] != "fixed":
+                raise wire.invalid(f"a draft tree replaces the draft length: policy '{msg.policy}' does not apply; "
+                                   "send policy 'fixed' (or none)")
+            k = tree.depth  # the tree's depth, cut near the budget and the context like a chain's k
         loaded = self._sprinter_head() if verification.lossy else None
         if loaded is not None:
             k = verification.max_run
             if k > MAX_K:
                 raise wire.invalid(f"sprinter max_run {k} exceeds the limit of {MAX_K} draft tokens per block")
-        spec = "fixed" if loaded is not None else (msg.policy or self.config.policy)  # sprinter: runs end by its head
+        # sprinter: runs end by its head; a tree: its shape
+        spec = "fixed" if (loaded is not None or tree is not None) else (msg.policy or self.config.policy)
         policy = resolve_policy(spec, k, self.table.model)
         if msg.policy_state:  # a failover: the session's own state
             load_policy_state(policy, msg.policy_state)
@@ -165,7 +177,13 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         ids = prompt.tolist()
         session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
-                                  max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec)
+                                  max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
+                                  tree=tree)
+        if tree is not None and (not isinstance(session.lm, FastCachedLM) or isinstance(session.lm, GraphedLM)):
+            self.table.close(session)
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this drafter's KV cache cannot hold a draft tree (it needs the lean FastCachedLM; "
+                                "CUDA graphs' static pool does not take one): open the session without a tree")
         if loaded is not None:
             from steerspec.sprinter.decoding import SprinterScorer
 
@@ -193,7 +211,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         session.seq += 1
         n = len(session.committed)
         session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids,
-                                    draft_ms=out.draft_ms)
+                                    draft_ms=out.draft_ms, fed=out.fed)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
         block.kept = out.kept
@@ -229,7 +247,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if not 0 <= result.next_token < self.vocab_size:
             raise wire.invalid(f"result.next_token {result.next_token} is outside the vocabulary "
                                f"[0, {self.vocab_size})")
-        if result.is_bonus != (result.accepted == k):
+        if proposal.fed is not None:
+            wire.check_path(prefix(session.tree, k), list(result.path), int(result.accepted), proposal.seq)
+        elif result.is_bonus != (result.accepted == k):
             raise wire.invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
         expected = proposal.committed_length + result.accepted + 1
         if result.committed_length != expected:
@@ -258,7 +278,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         timing = BlockFeedback(int(result.accepted), len(session.proposal.draft_ids), draft_ms=float(msg.draft_ms),
                                verify_ms=verify_ms, queue_ms=queue_ms, network_ms=network_ms,
                                overhead_ms=rounds.overhead_ms(away_ms, 0.0, network_ms, queue_ms, verify_ms))
-        self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing)
+        self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing,
+                                    path=list(result.path))
         if not msg.want_block:
             return None
         return await self._propose(session, msg.traceparent)

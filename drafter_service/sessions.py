@@ -32,6 +32,8 @@ from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sprinter.decoding import draft_run
 from steerspec.sampling import SamplingParams, SparseDist
+from steerspec.tree_decoding import draft_tree
+from steerspec.trees import TreeShape, cut_to_depth, prefix
 from steerspec.wire import ProtocolError, invalid
 
 
@@ -78,6 +80,7 @@ class Proposal:
     draft_ids: List[int]
     draft_ms: float = 0.0
     sent_at: float = field(default_factory=time.perf_counter)  # feedback - sent_at: verify + queue + network
+    fed: Optional[List[int]] = None  # a tree's: the nodes in the drafter's cache after the committed tokens, in order
 
 
 @dataclass
@@ -88,6 +91,7 @@ class DraftOutput:
     batch_size: int = 1  # sessions drafted in the same batched passes
     kept: int = 0  # SPRINTER: leading drafts committed without verification (DraftBlock.kept)
     head_kept: int = 0  # SPRINTER: drafts the classifier kept, the run's last one included (DraftBlock.head_kept)
+    fed: Optional[List[int]] = None  # a tree's nodes in the drafter's cache, in order (Proposal.fed)
 
 
 @dataclass
@@ -114,6 +118,7 @@ class DrafterSession:
     steering: Optional[Tensor] = None
     policy_spec: str = ""  # the registry spec the policy was built from (key of the warm-start state)
     sprinter: Optional[SprinterRun] = None  # lossy SPRINTER session (None: exact)
+    tree: Optional[TreeShape] = None  # a draft-tree session: blocks carry the tree's nodes breadth-first
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False
@@ -181,6 +186,10 @@ class Drafter:
         kept = head_kept = 0
         try:
             config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
+            if session.tree is not None:
+                out = self._draft_tree(session, k, config)
+                out.draft_ms = (time.perf_counter() - start) * 1e3
+                return out
             if session.sprinter is not None:  # a run: token by token until the head predicts a rejection
                 block, flags = draft_run(session.lm, session.committed, k, config, session.generator,
                                          session.sprinter.scorer, session.sprinter.threshold)
@@ -197,11 +206,26 @@ class Drafter:
         out.kept, out.head_kept = kept, head_kept
         return out
 
+    def _draft_tree(self, session: DrafterSession, depth: int, config: DecodeConfig) -> DraftOutput:
+        """The session's tree down to `depth` (the budget's cap) and within the context, drafted by
+        `tree_decoding.draft_tree`; a node's q row is its parent's distribution (what the verifier tests)."""
+        shape = prefix(cut_to_depth(session.tree, depth), self.context - len(session.committed))
+        tokens, fed, q_at = draft_tree(session.lm, session.committed, shape, config, session.generator)
+        q = None
+        if q_at and shape.size:
+            rows = [q_at[parent] for parent in shape.parents]
+            q = SparseDist(ids=torch.cat([r.ids for r in rows]), probs=torch.cat([r.probs for r in rows]),
+                           floor=None if rows[0].floor is None else torch.cat([r.floor for r in rows]),
+                           vocab=rows[0].vocab)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed)
+
     @torch.inference_mode()
     def draft_many(self, sessions: Sequence[DrafterSession]) -> List[DraftOutput]:
         """Propose every session's next block together: one batched forward pass per draft step
         (steerspec.drafting.draft_blocks); each session gets what `draft` gives it alone."""
-        if len(sessions) == 1 or any(s.sprinter is not None for s in sessions) or \
+        if len(sessions) == 1 or any(s.sprinter is not None or s.tree is not None for s in sessions) or \
                 not can_batch([s.lm for s in sessions]):
             return [self.draft(session) for session in sessions]
         start = time.perf_counter()
@@ -235,10 +259,15 @@ class Drafter:
         return row
 
     def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,
-                       steering: Optional[Tensor], timing: Optional[BlockFeedback] = None) -> None:
-        """Commit d_1..d_a and the next token; roll the cache back to min(len, n + a)."""
+                       steering: Optional[Tensor], timing: Optional[BlockFeedback] = None,
+                       path: Sequence[int] = ()) -> None:
+        """Commit d_1..d_a and the next token; roll the cache back to min(len, n + a). A tree session
+        commits the accepted `path`'s nodes and keeps those its cache holds."""
         proposal = session.proposal
         n = proposal.committed_length
+        if proposal.fed is not None:
+            self._keep_path(session, list(path), int(next_token), steering)
+            return
         session.committed.extend(proposal.draft_ids[:accepted])
         session.committed.append(int(next_token))
         if session.lm.length > n + accepted:
@@ -249,6 +278,23 @@ class Drafter:
                 timing = BlockFeedback(accepted, len(proposal.draft_ids), draft_ms=proposal.draft_ms,
                                        network_ms=away_ms)
             session.policy.update(timing)
+        if steering is not None:
+            session.steering = steering
+        session.proposal = None
+
+
+    def _keep_path(self, session: DrafterSession, path: List[int], next_token: int, steering: Optional[Tensor]) -> None:
+        proposal = session.proposal
+        n, fed = proposal.committed_length, proposal.fed
+        session.committed.extend(proposal.draft_ids[node] for node in path)
+        session.committed.append(next_token)
+        kept = []
+        for node in path:  # the accepted nodes the cache already holds, in order (leaves were never fed)
+            if node not in fed:
+                break
+            kept.append(n + fed.index(node))
+        if session.lm.length > n:
+            session.lm.keep(n, kept)
         if steering is not None:
             session.steering = steering
         session.proposal = None

@@ -3,7 +3,8 @@
     python scripts/bench_trees_sampling.py --drafter smollm2-sd2 --set fresh --prompts 16 --seeds 0,1 \
         --ks 2,3,4 --trees "0,1,2,00,10;0,1,00,10;0,1,00,000;0,1,2,3,00" --threads 2 --out trees-t1.json
 
-`steerspec bench engine --trees` measures trees greedily (every row must give the verifier's tokens);
+Trees draw a node's siblings without replacement (recursive rejection sampling); `--iid` adds each
+tree with i.i.d. siblings (SpecInfer) for comparison. `steerspec bench engine --trees` measures trees greedily (every row must give the verifier's tokens);
 sampled outputs differ between methods by design, so this script reports speed and tau only: the
 exactness of sampling on trees is tests/test_trees.py's chi-square test. Each prompt and seed runs
 every method in turn (round robin), an SD² drafter steered in every row; tok/s = tokens / wall seconds
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-top-k", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--iid", action="store_true",
+                        help="also run every tree with siblings drawn i.i.d. (SpecInfer) beside without replacement")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -68,6 +71,9 @@ def main(argv=None) -> int:
         methods[f"k={k}"] = lambda ids, c, h, k=k: speculative_generate(v, d, ids, c, FixedK(k), steering=h)
     for spec in trees:
         methods[f"tree={spec}"] = lambda ids, c, h, s=spec: tree_generate(v, d, ids, c, s, steering=h)
+        if args.iid:
+            methods[f"tree={spec} iid"] = lambda ids, c, h, s=spec: tree_generate(v, d, ids, c, s, steering=h,
+                                                                                distinct=False)
     totals = {m: {"wall_s": 0.0, "tokens": 0, "rounds": 0} for m in methods}
     params = SamplingParams(temperature=args.temperature)
     eos = eos_token_ids(verifier, tok)
@@ -86,11 +92,11 @@ def main(argv=None) -> int:
             print(f"  seed {seed} prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
     base = totals["verifier alone"]["tokens"] / totals["verifier alone"]["wall_s"]
     rows = []
-    print(f"{'method':28s} {'tok/s':>7s} {'speedup':>8s} {'tau':>6s}")
+    print(f"{'method':36s} {'tok/s':>7s} {'speedup':>8s} {'tau':>6s}")
     for name, t in totals.items():
         tps = t["tokens"] / t["wall_s"]
         rows.append({"method": name, "tokens_per_s": tps, "speedup": tps / base, "tau": t["tokens"] / t["rounds"], **t})
-        print(f"{name:28s} {tps:7.1f} {tps / base:7.2f}x {t['tokens'] / t['rounds']:6.2f}")
+        print(f"{name:36s} {tps:7.1f} {tps / base:7.2f}x {t['tokens'] / t['rounds']:6.2f}")
     if args.out:
         from steerspec.bench.host import host_info
 

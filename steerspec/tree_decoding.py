@@ -7,8 +7,8 @@ only the accepted path (`FastCachedLM.keep`). On the 2-core CPU a verifier pass 
 about what one of 3 does, so a small tree commits more tokens per pass than a chain at the same
 drafter cost (docs/results/real-pair.md, "Draft trees").
 Greedy, the output is the verifier's greedy output, token for token; at T > 0 each node's children are
-independent samples of the drafter's distribution there and acceptance is SpecInfer's multi-step
-speculative sampling (`trees.sampled_walk`): exactly the verifier's distribution. Same protocol, round loop and
+samples of the drafter's distribution there, drawn without replacement (or i.i.d.), and acceptance is
+multi-step speculative sampling with recursive residuals (`trees.sampled_walk`): exactly the verifier's distribution. Same protocol, round loop and
 accounting as `engine.speculative_generate` (pending token, prefill, SD² steering).
 """
 
@@ -25,29 +25,20 @@ from steerspec.metrics import GenerationResult
 from steerspec.models.kv import FastCachedLM, as_cached
 from steerspec.rounds import DecodeConfig, make_generators
 from steerspec.speculative import DraftBlock
-from steerspec.sampling import draft_distribution, probs_from_logits, sample_sparse
-from steerspec.trees import TreeShape, ancestor_mask, greedy_walk, parse_tree, sampled_walk
-
-
-ROOT_ONLY = TreeShape((), (), (), ())  # a tree without nodes: the verifier scores the pending token alone
-
-
-def _pruned(shape: TreeShape, max_depth: int) -> TreeShape:
-    """The tree's nodes down to `max_depth` (ROOT_ONLY when that leaves none): near the token budget."""
-    if max_depth >= shape.depth:
-        return shape
-    paths = [p for p in shape.paths if len(p) <= max_depth]
-    return parse_tree(",".join("".join(map(str, p)) for p in paths)) if paths else ROOT_ONLY
+from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
+from steerspec.trees import TreeShape, ancestor_mask, cut_to_depth, greedy_walk, parse_tree, sampled_walk, sibling_proposal
 
 
 def _top(logits: Tensor, count: int) -> List[int]:
     return logits.topk(count).indices.tolist()
 
 
-def _fill(shape: TreeShape, parent: int, logits: Tensor, tokens: List[int], q_at: Dict[int, Tensor],
-          config: DecodeConfig, generator: Optional[torch.Generator]) -> None:
+def _fill(shape: TreeShape, parent: int, logits: Tensor, tokens: List[int], q_at: Dict[int, SparseDist],
+          config: DecodeConfig, generator: Optional[torch.Generator], distinct: bool = True) -> None:
     """Set the tokens of `parent`'s children from the drafter's logits there: its ranked tokens when
-    greedy, else independent samples of its warped, top-`draft_top_k` distribution (kept in q_at)."""
+    greedy, else samples of its warped, top-`draft_top_k` distribution q (kept in q_at as the wire sends
+    it), drawn without replacement in rank order when `distinct` (a child whose q has no mass left repeats
+    the first), else i.i.d."""
     kids = shape.children(parent)
     if not kids:
         return
@@ -58,27 +49,53 @@ def _fill(shape: TreeShape, parent: int, logits: Tensor, tokens: List[int], q_at
         return
     params = config.sampling
     probs = probs_from_logits(logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
-    dist = draft_distribution(probs, config.draft_top_k, config.draft_tail)
-    q_at[parent] = dist.to_dense(probs.shape[-1])[0]
+    dist = q_at[parent] = draft_distribution(probs, config.draft_top_k, config.draft_tail)
+    if not distinct:
+        for c in kids:
+            tokens[c] = int(sample_sparse(dist, generator)[0])
+        return
+    drawn: List[int] = []
     for c in kids:
-        tokens[c] = int(sample_sparse(dist, generator)[0])
+        tokens[c] = _draw_new(dist, drawn, generator)
+        if tokens[c] in drawn:  # q has no mass left: never tried by the walk
+            continue
+        drawn.append(tokens[c])
+
+
+def _draw_new(dist: SparseDist, drawn: List[int], generator: Optional[torch.Generator], tries: int = 32) -> int:
+    """A draw of q conditioned on not being in `drawn` (sampling without replacement): redraw from the
+    sparse q until new, which is exactly that conditional; after `tries`, one draw of the renormalised
+    dense rest. Returns drawn[0] when q has no mass outside `drawn`."""
+    for _ in range(tries if drawn else 1):
+        token = int(sample_sparse(dist, generator)[0])
+        if token not in drawn:
+            return token
+    rest = sibling_proposal(dense(dist), drawn)
+    if float(rest.sum()) <= 0:
+        return drawn[0]
+    return int(torch.multinomial(rest.unsqueeze(0), 1, generator=generator)[0, 0])
+
+
+def dense(dist: SparseDist) -> Tensor:
+    """A one-row sparse distribution [1, S] as a dense [V] vector (its tail spread as the wire says)."""
+    return dist.to_dense(dist.vocab)[0]
 
 
 def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape,
                config: Optional[DecodeConfig] = None, generator: Optional[torch.Generator] = None,
-               ) -> Tuple[List[int], List[int], Dict[int, Tensor]]:
+               distinct: bool = True) -> Tuple[List[int], List[int], Dict[int, SparseDist]]:
     """Fill the tree with the drafter's tokens after `committed` (its last token pending): ranked
-    when greedy, sampled i.i.d. per parent otherwise.
+    when greedy, sampled per parent otherwise (without replacement when `distinct`).
 
     Returns (token per node, nodes fed to the drafter in cache order after the committed tokens,
-    the distribution each parent's children were drawn from — empty when greedy); the drafter's
+    the distribution [1, S] each parent's children were drawn from — empty when greedy); the drafter's
     cache then holds committed + the fed nodes."""
     config = config if config is not None else DecodeConfig()
     n = len(committed)
     out = drafter.extend(committed[drafter.length:])
     tokens = [0] * shape.size
-    q_at: Dict[int, Tensor] = {}
-    _fill(shape, -1, out.logits[-1], tokens, q_at, config, generator)
+    q_at: Dict[int, SparseDist] = {}
+    _fill(shape, -1, out.logits[-1], tokens, q_at, config, generator, distinct)
     fed: List[int] = []
     for depth in range(1, shape.depth):
         level = [i for i in shape.at_depth(depth) if shape.children(i)]
@@ -88,14 +105,14 @@ def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape
         out = drafter.extend_tree([tokens[i] for i in level], positions, visible)
         fed.extend(level)
         for row, node in enumerate(level):
-            _fill(shape, node, out.logits[row], tokens, q_at, config, generator)
+            _fill(shape, node, out.logits[row], tokens, q_at, config, generator, distinct)
     return tokens, fed, q_at
 
 
 def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], shape: TreeShape,
                 hidden_layers: Optional[Sequence[int]] = None, config: Optional[DecodeConfig] = None,
-                q_at: Optional[Dict[int, Tensor]] = None, generator: Optional[torch.Generator] = None,
-                ) -> Tuple[List[int], int, Optional[Tensor]]:
+                q_at: Optional[Dict[int, SparseDist]] = None, generator: Optional[torch.Generator] = None,
+                distinct: bool = True) -> Tuple[List[int], int, Optional[Tensor]]:
     """Score [pending, nodes...] in one pass, accept a path (greedy walk, or multi-step speculative
     sampling against `q_at` at T > 0), keep it in the cache.
 
@@ -109,14 +126,15 @@ def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], sha
     visible = torch.cat([torch.ones(size + 1, start, dtype=torch.bool), torch.cat([root, among])], dim=1)
     positions = start + torch.tensor((0,) + shape.depths, dtype=torch.long)
     out = verifier.extend_tree([pending] + list(tokens), positions, visible, hidden_layers)
-    path, token, row = _accept(shape, tokens, out.logits, config, q_at or {}, generator)
+    path, token, row = _accept(shape, tokens, out.logits, config, q_at or {}, generator, distinct)
     verifier.keep(start + 1, [start + 1 + node for node in path])
     hidden = out.hidden[:, row] if hidden_layers else None
     return path, token, hidden
 
 
 def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: DecodeConfig,
-            q_at: Dict[int, Tensor], generator: Optional[torch.Generator]) -> Tuple[List[int], int, int]:
+            q_at: Dict[int, SparseDist], generator: Optional[torch.Generator], distinct: bool = True,
+            ) -> Tuple[List[int], int, int]:
     """(accepted path, next token, row that gave it) from the verifier's logits over [pending, nodes...]."""
     if config.greedy:
         argmax = logits.argmax(-1).tolist()
@@ -124,7 +142,8 @@ def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: Dec
         return path, argmax[row], row
     params = config.sampling
     p_rows = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-    return sampled_walk(shape, tokens, p_rows, q_at, generator)
+    q_dense = {parent: dense(dist).to(p_rows.device, p_rows.dtype) for parent, dist in q_at.items()}
+    return sampled_walk(shape, tokens, p_rows, q_dense, generator, distinct)
 
 
 def tree_generate(
@@ -136,9 +155,11 @@ def tree_generate(
     steering: Optional[DrafterSteering] = None,
     tokenizer=None,
     on_round: Optional[Callable[[RoundRecord], None]] = None,
+    distinct: bool = True,
 ) -> GenerationResult:
     """Speculative decoding with a draft tree, lossless: greedy, the verifier's greedy output; at T > 0
-    (children sampled i.i.d., multi-step speculative sampling) exactly the verifier's distribution.
+    (siblings sampled without replacement, or i.i.d. with `distinct=False`; multi-step speculative
+    sampling) exactly the verifier's distribution.
 
     Needs the fast KV backend on both sides (`FastCachedLM`); raises ValueError naming the fix otherwise."""
     shape = parse_tree(tree) if isinstance(tree, str) else tree
@@ -151,10 +172,11 @@ def tree_generate(
     def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         n = len(committed)
         t0 = time.perf_counter()
-        here = _pruned(shape, room - 1)
-        tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft)
+        here = cut_to_depth(shape, room - 1)
+        tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft, distinct)
         t1 = time.perf_counter()
-        path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify)
+        path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify,
+                                               distinct)
         t2 = time.perf_counter()
         kept = []
         for node in path:  # the accepted nodes the drafter already holds, in order

@@ -5,9 +5,9 @@ pending token, the top-1 after the first of them, and the top-1 after that (Medu
 static trees, SpecInfer's token trees). The verifier scores every node in one pass with an
 ancestor mask; greedy acceptance walks from the root along the child whose token equals the
 verifier's argmax, so the committed text is exactly the verifier's greedy output. At T > 0 a node's
-children are instead independent samples from the drafter's distribution there (the ranks only say how
-many), and `sampled_walk` is SpecInfer's multi-step speculative sampling: exactly the verifier's
-distribution. A chain of k zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
+children are instead samples from the drafter's distribution there, without replacement in rank order
+(the ranks only say how many), and `sampled_walk` is recursive rejection sampling over them: exactly the
+verifier's distribution. A chain of k zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
 parent, then rank): a parent always comes before its children.
 """
 
@@ -94,6 +94,18 @@ def parse_tree(spec: str) -> TreeShape:
     return TreeShape(tuple(ordered), tuple(p[-1] for p in ordered), parents, tuple(len(p) for p in ordered))
 
 
+def prefix(shape: TreeShape, size: int) -> TreeShape:
+    """The tree of `shape`'s first `size` nodes (breadth-first, so parents come first): what a block cut
+    to `size` draft tokens carries (a depth cut near the token budget is one too)."""
+    n = max(0, min(int(size), shape.size))
+    return TreeShape(shape.paths[:n], shape.ranks[:n], shape.parents[:n], shape.depths[:n])
+
+
+def cut_to_depth(shape: TreeShape, depth: int) -> TreeShape:
+    """The nodes of `shape` down to `depth` (none when depth < 1): a prefix, since nodes go by depth."""
+    return prefix(shape, sum(1 for d in shape.depths if d <= depth))
+
+
 def chain(k: int) -> TreeShape:
     """The tree of plain speculative decoding at k: one path of top-1 drafts."""
     return parse_tree(",".join("0" * i for i in range(1, k + 1)))
@@ -129,31 +141,48 @@ def greedy_walk(shape: TreeShape, node_tokens: Sequence[int], argmax: Sequence[i
         node, row = step, 1 + step
 
 
+def sibling_proposal(q: Tensor, earlier: Sequence[int]) -> Tensor:
+    """q with the earlier siblings' tokens removed and renormalised: the distribution a sibling drawn
+    without replacement came from (all zeros once q has no mass left)."""
+    if not earlier:
+        return q
+    rest = q.clone()
+    rest[list(earlier)] = 0
+    mass = float(rest.sum())
+    return rest / mass if mass > 0 else rest
+
+
 def sampled_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor, q_at: Dict[int, Tensor],
-                 generator: Optional[torch.Generator] = None) -> Tuple[List[int], int, int]:
-    """Multi-step speculative sampling over a verified tree (SpecInfer, Miao et al. 2024, Alg. 2).
+                 generator: Optional[torch.Generator] = None, distinct: bool = True) -> Tuple[List[int], int, int]:
+    """Multi-step speculative sampling over a verified tree: exactly the verifier's distribution.
 
     `p_rows` [1 + N, V]: the verifier's warped probabilities after the root (row 0) and after node i
-    (row 1 + i); `q_at[parent]` [V]: the drafter's distribution its children were drawn from, i.i.d.
-    At a node, each child x in turn is accepted with probability min(1, p(x) / q(x)); on a rejection
-    p becomes norm(max(0, p - q)) for the next child; when none is accepted (or there are none) the
-    next token is drawn from the p left. Returns (accepted path, next token, row that gave it)."""
+    (row 1 + i); `q_at[parent]` [V]: the drafter's distribution its children were drawn from. At a node,
+    each child x in turn is accepted with probability min(1, p(x) / q_i(x)); on a rejection p becomes
+    norm(max(0, p - q_i)) for the next child; when none is accepted (or there are none) the next token is
+    drawn from the p left. `distinct`: the children were drawn without replacement in rank order, so q_i is
+    q without the earlier siblings' tokens (recursive rejection sampling, Jeon et al. 2024); otherwise
+    i.i.d., q_i = q (SpecInfer, Miao et al. 2024, Alg. 2). Returns (accepted path, next token, row that gave it)."""
     path: List[int] = []
     node, row = -1, 0
     while True:
-        p = p_rows[row]
+        p, earlier, taken = p_rows[row], [], None
         for child in shape.children(node):
-            q = q_at[node]
             x = int(node_tokens[child])
+            q = sibling_proposal(q_at[node], earlier) if distinct else q_at[node]
+            earlier.append(x)
+            if float(q.sum()) <= 0:  # q had fewer tokens than siblings: the rest were never drawn from it
+                break
             ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 0.0
             if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-                path.append(child)
-                node, row = child, 1 + child
+                taken = child
                 break
             residual = (p - q).clamp_(min=0)
             mass = float(residual.sum())
             if mass > 0:  # with no mass left p equals q: a rejection cannot happen then (rounding aside)
                 p = residual / mass
-        else:
+        if taken is None:
             token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
             return path, token, row
+        path.append(taken)
+        node, row = taken, 1 + taken

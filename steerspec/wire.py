@@ -302,3 +302,32 @@ def decode_labels(msg: common_pb2.SprinterLabels):
 
     return RunLabels(tp=int(msg.tp), fn=int(msg.fn), fp=int(msg.fp), tn=int(msg.tn), r=int(msg.r),
                      tv_pq_sum=float(msg.tv_pq_sum), moved_sum=float(msg.moved_sum))
+
+
+# --------------------------------------------------------------------------- draft trees
+
+
+def tree_from_proto(spec: str):
+    """VerifyOpen.tree / DraftOpen.tree -> a `trees.TreeShape`, or None for "" (chains);
+    INVALID_ARGUMENT naming the fix on a bad spec."""
+    from steerspec.trees import parse_tree
+
+    if not (spec or "").strip():
+        return None
+    try:
+        return parse_tree(spec)
+    except ValueError as exc:
+        raise invalid(f"tree: {exc}") from None
+
+
+def check_path(shape, path: Sequence[int], accepted: int, seq: int) -> None:
+    """INVALID_ARGUMENT unless VerifyResult.path is a root-down path of `shape` (the block's tree) with
+    `accepted` nodes."""
+    if len(path) != accepted:
+        raise invalid(f"result for block {seq} accepts {accepted} tokens but its path has {len(path)} nodes")
+    parent = -1
+    for node in path:
+        if not 0 <= node < shape.size or shape.parents[node] != parent:
+            raise invalid(f"result.path {list(path)} is not a path from the root of block {seq}'s tree "
+                          f"({shape.size} nodes, parents {list(shape.parents)})")
+        parent = node

@@ -163,7 +163,6 @@ def test_run_with_a_tree_writes_the_verifiers_greedy_output_and_says_so(capsys):
 
 @pytest.mark.parametrize("extra,fix", [
     (["--tree", "0,11"], "needs its parent"),
-    (["--tree", "0,1", "--transport", "grpc"], "--transport inproc"),
     (["--tree", "0,1", "--k", "3"], "drop --policy and --k"),
     (["--tree", "0,1", "--mode", "autoregressive"], "--mode speculative"),
 ])
@@ -187,10 +186,65 @@ def test_sampled_walk_accepts_by_the_ratio_and_resamples_the_residual():
     g = torch.Generator().manual_seed(0)
     outcomes = Counter()
     for _ in range(2000):
-        path, token, row = sampled_walk(shape, [1, 1], p_rows, q_at, g)
+        path, token, row = sampled_walk(shape, [1, 1], p_rows, q_at, g, distinct=False)
         outcomes[(tuple(path), token if not path else "bonus")] += 1
         assert (path == [] and token == 2 and row == 0) or (path == [0] and row == 1)
     assert abs(outcomes[((), 2)] / 2000 - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_walk_over_three_siblings_gives_exactly_p(distinct):
+    """Three children of the root drawn from q (without replacement when `distinct`, by _fill itself),
+    the walk's output token (accepted child, or the residual's draw) is distributed as p: chi-square over
+    8 tokens, 20,000 trials, q and p far apart (p puts mass where q has none)."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    from steerspec.sampling import SamplingParams as Params
+    from steerspec.tree_decoding import _fill, dense
+    from steerspec.trees import sampled_walk
+
+    shape = parse_tree("0,1,2")
+    q_logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -30.0, -30.0])
+    p = torch.tensor([0.05, 0.30, 0.05, 0.20, 0.10, 0.05, 0.15, 0.10])
+    p_rows = p.expand(4, 8)
+    config = DecodeConfig(sampling=Params(temperature=1.0), draft_top_k=0)
+    g = torch.Generator().manual_seed(3)
+    counts = Counter()
+    n = 20000
+    for _ in range(n):
+        tokens, q_at = [0, 0, 0], {}
+        _fill(shape, -1, q_logits, tokens, q_at, config, g, distinct)
+        if distinct:
+            assert len(set(tokens)) == 3
+        path, token, row = sampled_walk(shape, tokens, p_rows, {-1: dense(q_at[-1])}, g, distinct)
+        counts[tokens[path[0]] if path else token] += 1
+    observed = [counts[i] for i in range(8)]
+    assert chisquare(observed, (p * n).tolist()).pvalue > 1e-3, observed
+
+
+def test_distinct_siblings_accept_more_than_iid_ones():
+    """With a peaked q, i.i.d. siblings repeat its top token and add little; drawn without replacement
+    they cover the next tokens, so a tree of three siblings accepts a child more often."""
+    from steerspec.sampling import SamplingParams as Params
+    from steerspec.tree_decoding import _fill, dense
+    from steerspec.trees import sampled_walk
+
+    shape = parse_tree("0,1,2")
+    q_logits = torch.tensor([4.0, 2.0, 2.0, 0.0, 0.0, 0.0])
+    p_rows = torch.tensor([0.2, 0.4, 0.3, 0.05, 0.05, 0.0]).expand(4, 6)
+    config = DecodeConfig(sampling=Params(temperature=1.0), draft_top_k=0)
+    rates = {}
+    for distinct in (True, False):
+        g = torch.Generator().manual_seed(0)
+        hits = 0
+        for _ in range(4000):
+            tokens, q_at = [0, 0, 0], {}
+            _fill(shape, -1, q_logits, tokens, q_at, config, g, distinct)
+            hits += bool(sampled_walk(shape, tokens, p_rows, {-1: dense(q_at[-1])}, g, distinct)[0])
+        rates[distinct] = hits / 4000
+    assert rates[True] > rates[False] + 0.1, rates
 
 
 def test_sampling_on_a_tree_is_the_verifiers_distribution(loaded_pair, eval_prompts):

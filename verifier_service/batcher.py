@@ -57,6 +57,7 @@ class JobResult:
     batch_size: int
     error: Optional[BaseException] = None
     labels: Optional[object] = None  # SPRINTER runs: steerspec.sprinter.labels.RunLabels of the run's tokens
+    path: Optional[List[int]] = None  # tree sessions: the accepted nodes, root to leaf (verifier_service/tree_verify.py)
 
 
 class VerifyRunner:
@@ -116,6 +117,10 @@ class VerifyRunner:
     @torch.inference_mode()
     def run(self, jobs: List[VerifyJob]) -> List[JobResult]:
         """Verify every job's block in one forward pass; roll each cache back; return results."""
+        if any(job.session.tree is not None for job in jobs):  # draft trees: one call each, as in-process
+            from verifier_service import tree_verify
+
+            return tree_verify.run_mixed(self, jobs)
         if any(job.session.sprinter for job in jobs):  # lossy SPRINTER runs: one call each, as in-process
             from verifier_service import sprinter_verify
 

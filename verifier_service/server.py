@@ -29,6 +29,7 @@ from steerspec.policies.base import MAX_K
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from steerspec.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.wire import ProtocolError, code_number
+from verifier_service import tree_verify
 from verifier_service.batcher import Batcher, VerifyJob, VerifyRunner
 from verifier_service.sessions import SessionTable, VerifierSession
 
@@ -135,11 +136,17 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 "with --steering-head DIR or open the session with steering=false")
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
-        session = self.table.open(msg.session_id, len(prompt_ids), max_k, pending=prompt_ids[-1], params=params,
-                                  generator=generator, steering=bool(msg.steering),
-                                  sprinter=_lossy(msg.verification))
+        lossy, tree = _lossy(msg.verification), wire.tree_from_proto(msg.tree)
+        if lossy and tree is not None:
+            raise wire.invalid("a draft tree is verified exactly: open the session with verification 'exact' "
+                               "or without a tree")
+        session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, tree.size if tree else 0),
+                                  pending=prompt_ids[-1], params=params, generator=generator,
+                                  steering=bool(msg.steering), sprinter=lossy, tree=tree)
         start = time.perf_counter()
         try:
+            if tree is not None:
+                tree_verify.check_session(session.lm)
             steering = await self._prefill(session, prompt_ids)
         except BaseException:
             self.table.close(session)
@@ -185,7 +192,10 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
                                 f"block {msg.seq} would take the sequence to {session.committed + k} tokens; the "
                                 f"verifier's context is {self.context}: draft fewer tokens or stop")
+        shape = None if session.tree is None else tree_verify.block_shape(session.tree, k, msg.seq)
         block = wire.decode_block(msg, self.vocab_size, session.greedy)
+        if shape is not None and block.q is not None:
+            tree_verify.parents_q(shape, block.q)  # siblings must share their q row
         if block.kept and not session.sprinter:
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block {msg.seq} marks {block.kept} tokens as kept without verification, but this "
@@ -215,6 +225,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
         if result.labels is not None:
             out.sprinter.CopyFrom(wire.encode_labels(result.labels))
+        if result.path is not None:
+            out.path.extend(result.path)
         if self._tracer is not None and self._tracing is not None:
             self._record_spans(start_ns, result, block, msg.ByteSize(), msg.traceparent)
         return verifier_pb2.VerifyResponse(result=out)

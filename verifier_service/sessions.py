@@ -18,6 +18,7 @@ from steerspec.batching import free_cache
 from steerspec.models.kv import CachedLM
 from steerspec.models.loading import kv_bytes_per_token
 from steerspec.sampling import SamplingParams
+from steerspec.trees import TreeShape
 from steerspec.wire import ProtocolError
 from verifier_service import fast_verify
 
@@ -35,6 +36,7 @@ class VerifierSession:
     max_k: int
     steering: bool
     sprinter: bool = False  # lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)
+    tree: Optional[TreeShape] = None  # a draft-tree session: blocks carry its nodes (verifier_service/tree_verify.py)
     last_seq: Optional[int] = None
     blocks: int = 0
     ready: bool = False

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-set", default="indist", help="bundled eval set (falls back to built-in prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=8, help="draft length per block")
+    parser.add_argument("--tree", default=None, metavar="SPEC",
+                        help="also run a draft tree (rank paths such as 0,1,2,00,10, or 'default') through the same "
+                             "services at every RTT: a third row beside the chain of k")
     parser.add_argument("--draft-top-k", type=int, default=64, help="support of the sparse draft distribution")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -248,10 +251,12 @@ class RayCluster:
 
     async def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
-                       mode: str = "speculative", steering: bool = False, timeout: Optional[float] = None) -> RunRecord:
+                       mode: str = "speculative", steering: bool = False, timeout: Optional[float] = None,
+                       tree: str = "") -> RunRecord:
         s = await self.client.acomplete(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k,
-                                        draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout)
+                                        draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout,
+                                        tree=tree)
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
                          wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
 
@@ -267,13 +272,13 @@ def _verifier_options(args) -> Dict[str, Any]:
     return options
 
 
-async def _sequential(cluster, prompts, args, mode: str) -> List[Any]:
+async def _sequential(cluster, prompts, args, mode: str, tree: str = "") -> List[Any]:
     results = []
     for i, prompt in enumerate(prompts):
         results.append(await cluster.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
-            steering=cluster.steering and mode == "speculative", timeout=600))
+            steering=cluster.steering and mode == "speculative", timeout=600, tree=tree))
     return results
 
 
@@ -343,6 +348,11 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
         row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
         row["speedup"] = (round(sd["tokens_per_s"] / ar["tokens_per_s"], 3)
                           if sd.get("tokens_per_s") and ar.get("tokens_per_s") else None)
+        if args.tree:
+            tr = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative", args.tree))
+            row["tree"] = tr
+            row["tree_speedup"] = (round(tr["tokens_per_s"] / ar["tokens_per_s"], 3)
+                                   if tr.get("tokens_per_s") and ar.get("tokens_per_s") else None)
         if rtt in args.concurrency_rtts:
             conc = {}
             for n in args.concurrency_list:
@@ -413,11 +423,15 @@ def print_report(report: Dict[str, Any]) -> None:
         table.add_column(name, justify=justify)
     engine = report.get("engine")
     for row in report["rows"]:
-        for mode in ("autoregressive", "speculative"):
+        for mode in ("autoregressive", "speculative", "tree"):
+            if mode not in row:
+                continue
             m = row[mode]
             st = m.get("stage_ms", {})
-            table.add_row(f"{row['rtt_ms']:g}", mode, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
-                          _f(row["speedup"], 2) if mode == "speculative" else "1.00",
+            speedup = {"autoregressive": 1.0, "speculative": row["speedup"], "tree": row.get("tree_speedup")}[mode]
+            label = f"tree {cfg['tree']}" if mode == "tree" else mode
+            table.add_row(f"{row['rtt_ms']:g}", label, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
+                          _f(speedup, 2),
                           _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),
                           *[_f(st.get(s), 2) for s in STAGES], _f(m.get("batch_size"), 2))
         if engine:
@@ -455,6 +469,9 @@ def write_plot(report: Dict[str, Any], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(rtts, [r["autoregressive"]["tokens_per_s"] for r in rows], "o-", label="verifier alone (AR)")
     ax1.plot(rtts, [r["speculative"]["tokens_per_s"] for r in rows], "o-", label="speculative (services)")
+    if all("tree" in r for r in rows):
+        ax1.plot(rtts, [r["tree"]["tokens_per_s"] for r in rows], "o-",
+                 label=f"draft tree {report['config'].get('tree')} (services)")
     if report.get("engine"):
         ax1.axhline(report["engine"]["tokens_per_s"], color="gray", ls="--", label="in-process engine")
     for r in rows:
@@ -500,6 +517,13 @@ def _validate(args) -> None:
         raise UsageError("--draft-top-k must be >= 0 (0 = full vocabulary)")
     if not (args.temperature >= 0):
         raise UsageError("--temperature must be >= 0")
+    if args.tree is not None:
+        from steerspec.trees import parse_tree
+
+        try:
+            args.tree = parse_tree(args.tree).spec()
+        except ValueError as exc:
+            raise UsageError(f"--tree: {exc}") from None
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out: directory {Path(args.out).resolve().parent} does not exist")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
@@ -535,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
                                                         ("concurrency", args.concurrency),
                                                         ("drafters", args.drafters),
                                                         ("deployment", args.deployment), ("device", args.device),
-                                                        ("dtype", args.dtype))),
+                                                        ("dtype", args.dtype))) + (f" --tree {args.tree}" if args.tree else ""),
         "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
                    "drafters": args.drafters, "device": str(device), "dtype": args.dtype,
                    "rtt_ms": args.rtt_list,
@@ -544,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
                    "top_p": args.top_p, "concurrency": args.concurrency_list,
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"],
-                   "kv_backend": args.kv_backend},
+                   "kv_backend": args.kv_backend, "tree": args.tree},
         "machine": {**host_info(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_verification_arguments(parser)
     parser.add_argument("--tree", default=None, metavar="SPEC",
                         help="draft tree instead of a draft length: rank paths such as 0,1,00,000 or 'default' "
-                             "(in process; at T > 0 each node's children are sampled; steerspec/trees.py)")
+                             "(in process and through the services; at T > 0 each node's children are sampled "
+                             "without replacement; steerspec/trees.py)")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
@@ -260,8 +261,8 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 
 
 def tree_from_args(args: argparse.Namespace, lossy: bool):
-    """The --tree draft tree, or None; refused in one line where it cannot run (it is exact, in
-    process, and replaces the draft-length policy)."""
+    """The --tree draft tree, or None; refused in one line where it cannot run (it is exact and
+    replaces the draft-length policy)."""
     spec = getattr(args, "tree", None)
     if spec is None:
         return None
@@ -273,8 +274,6 @@ def tree_from_args(args: argparse.Namespace, lossy: bool):
         raise UsageError(f"--tree: {exc}") from None
     if getattr(args, "mode", "speculative") != "speculative" or lossy:
         raise UsageError("--tree needs --mode speculative and --verification exact")
-    if args.transport != "inproc" or getattr(args, "coordinator", None):
-        raise UsageError("--tree runs in process only: add --transport inproc (the services draft chains)")
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
         raise UsageError("--tree replaces the draft length: drop --policy and --k")
     args.tree = shape.spec()

@@ -79,7 +79,7 @@ class SprinterLabels(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., fn: _Optional[int] = ..., fp: _Optional[int] = ..., tn: _Optional[int] = ..., r: _Optional[int] = ..., tv_pq_sum: _Optional[float] = ..., moved_sum: _Optional[float] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter")
+    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter", "path")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class VerifyResult(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPRINTER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     accepted: int
     next_token: int
@@ -100,7 +101,8 @@ class VerifyResult(_message.Message):
     verify_ms: float
     batch_size: int
     sprinter: SprinterLabels
-    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., sprinter: _Optional[_Union[SprinterLabels, _Mapping]] = ...) -> None: ...
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., sprinter: _Optional[_Union[SprinterLabels, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "seq")

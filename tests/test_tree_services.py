@@ -1,0 +1,177 @@
+"""Draft trees through the real services on 127.0.0.1 (GenerateRequest.tree): the drafter service drafts
+the tree, the wire carries its nodes breadth-first with one q row per node, the verifier walks it and
+returns the accepted path, the coordinator commits along it. Greedy output is the verifier's greedy
+output; sampled output equals in-process `tree_generate` with the same seed (whose exactness
+tests/test_trees.py checks by chi-square), near the token budget too. Refusals name the fix."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator.local import LocalCluster
+from coordinator.streams import SessionError
+from steerspec.engine import DecodeConfig, autoregressive_generate
+from steerspec.models import load_model, resolve_model_dir
+from steerspec.models.kv import cached_lm
+from steerspec.sampling import SamplingParams
+from steerspec.steering import has_steering
+from steerspec.tree_decoding import tree_generate
+from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+PROMPTS = [[4, 57, 310, 12, 96], [88, 23, 7], [5, 9, 301, 44, 17, 250, 3]]
+NEW_TOKENS = 23  # odd, so the last blocks are cut near the budget
+TREES = ["0,1,2,00,10", "0,1,00,000,01"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_model(resolve_model_dir("verifier")), load_model(resolve_model_dir("pretrained"))
+
+
+@pytest.mark.parametrize("tree", TREES)
+async def test_a_greedy_tree_through_the_services_gives_the_verifiers_greedy_output(pair, tree):
+    verifier, drafter = pair
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    expected = [autoregressive_generate(verifier, ids, config).token_ids for ids in PROMPTS]
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        for ids, want in zip(PROMPTS, expected):
+            got = await cluster.generate(ids, max_new_tokens=NEW_TOKENS, tree=tree)
+            assert list(got.token_ids) == want
+            assert got.generated / got.rounds > 1.0  # the tree committed more than one token per round trip
+
+
+@pytest.mark.parametrize("tree", TREES)
+async def test_a_sampled_tree_through_the_services_equals_the_in_process_tree(pair, tree):
+    verifier, drafter = pair
+    params = SamplingParams(temperature=1.0)
+    expected = {}
+    for seed, ids in enumerate(PROMPTS):  # before the cluster starts: this blocks the event loop
+        config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed, draft_top_k=16)
+        expected[seed] = tree_generate(cached_lm(verifier), cached_lm(drafter), ids, config, tree)
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        with cluster.client() as client:
+            for seed, ids in enumerate(PROMPTS):
+                summary = await client.acomplete(prompt_ids=ids, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                                                 seed=seed, draft_top_k=16, tree=tree, timeout=300)
+                want = expected[seed]
+                assert list(summary.token_ids) == want.token_ids
+                assert summary.rounds == want.rounds and summary.accepted == want.accepted
+
+
+@pytest.mark.skipif(not has_steering(resolve_model_dir("sd2")), reason="the sd2 drafter is not bundled")
+async def test_a_steered_sd2_drafter_drafts_trees_through_the_services_exactly(pair):
+    verifier, _ = pair
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    expected = [autoregressive_generate(verifier, ids, config).token_ids for ids in PROMPTS]
+    async with LocalCluster(verifier=verifier, drafter=str(resolve_model_dir("sd2")), tokenizer=None,
+                            eos_ids=()) as cluster:
+        assert cluster.steering
+        for ids, want in zip(PROMPTS, expected):
+            got = await cluster.generate(ids, max_new_tokens=NEW_TOKENS, tree="default", steering=True)
+            assert list(got.token_ids) == want
+
+
+@pytest.mark.parametrize("kwargs,fix", [
+    ({"tree": "0,11"}, "needs its parent"),
+    ({"tree": "0,1", "policy": "gammatune"}, "policy 'fixed'"),
+    ({"tree": "0,1", "mode": "autoregressive"}, "mode 'speculative'"),
+])
+async def test_the_coordinator_refuses_a_tree_it_cannot_run(pair, kwargs, fix):
+    verifier, drafter = pair
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        with pytest.raises(SessionError) as info:
+            await cluster.generate(PROMPTS[0], max_new_tokens=4, **kwargs)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and fix in str(info.value)
+
+
+async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):
+    """A block with more nodes than the session's tree is OUT_OF_RANGE; siblings whose q rows differ
+    are INVALID_ARGUMENT; the session then verifies a good block and returns its path."""
+    verifier, drafter = pair
+    ids = PROMPTS[1]
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        async with grpc.aio.insecure_channel(cluster.verifier_targets[0]) as channel:
+            call = verifier_pb2_grpc.VerifierServiceStub(channel).Verify(timeout=60)
+            await call.write(verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
+                prompt_ids=ids, tree="0,1,00", sampling=common_pb2.SamplingParams(temperature=1.0), seed=1)))
+            assert (await call.read()).WhichOneof("kind") == "ready"
+
+            def block(draft_ids, probs_rows):
+                support = 2
+                q = common_pb2.SparseDistribution(ids=[t for row in probs_rows for t in row[0]], support=support)
+                import numpy as np
+
+                q.probs = np.array([p for row in probs_rows for p in row[1]], dtype="<f2").tobytes()
+                return common_pb2.DraftBlock(seq=1, committed_length=len(ids), draft_ids=draft_ids, q=q)
+
+            root = ([5, 6], [0.5, 0.5])
+            too_many = block([5, 6, 7, 8], [root, root, ([7, 8], [0.5, 0.5]), root])
+            await call.write(verifier_pb2.VerifyRequest(block=too_many))
+            reply = await call.read()
+            assert reply.error.code == grpc.StatusCode.OUT_OF_RANGE.value[0] and "3 nodes" in reply.error.message
+            mismatched = block([5, 6, 7], [root, ([6, 9], [0.5, 0.5]), ([7, 8], [0.5, 0.5])])
+            await call.write(verifier_pb2.VerifyRequest(block=mismatched))
+            reply = await call.read()
+            assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "q rows differ" in reply.error.message
+            good = block([5, 6, 7], [root, root, ([7, 8], [0.5, 0.5])])
+            await call.write(verifier_pb2.VerifyRequest(block=good))
+            reply = await call.read()
+            assert reply.WhichOneof("kind") == "result", reply
+            path = list(reply.result.path)
+            assert len(path) == reply.result.accepted and path in ([], [0], [1], [0, 2])
+            await call.done_writing()
+
+
+async def test_the_drafter_refuses_feedback_whose_path_is_not_in_its_tree(pair):
+    verifier, drafter = pair
+    ids = PROMPTS[0]
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        async with grpc.aio.insecure_channel(cluster.drafter_targets[0]) as channel:
+            call = drafter_pb2_grpc.DrafterServiceStub(channel).Draft(timeout=60)
+            await call.write(drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
+                prompt_ids=ids, tree="0,1,00", max_new_tokens=20)))
+            block = (await call.read()).block
+            assert len(block.draft_ids) == 3
+            bad = common_pb2.VerifyResult(seq=block.seq, accepted=2, next_token=1, path=[1, 2],
+                                          committed_length=len(ids) + 3)
+            await call.write(drafter_pb2.DraftRequest(feedback=drafter_pb2.DraftFeedback(result=bad, want_block=True)))
+            reply = await call.read()
+            assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not a path" in reply.error.message
+            good = common_pb2.VerifyResult(seq=block.seq, accepted=2, next_token=1, path=[0, 2], is_bonus=True,
+                                           committed_length=len(ids) + 3)
+            await call.write(drafter_pb2.DraftRequest(feedback=drafter_pb2.DraftFeedback(result=good, want_block=True)))
+            nxt = (await call.read()).block
+            assert nxt.seq == block.seq + 1 and nxt.committed_length == len(ids) + 3
+            await call.done_writing()
+
+
+async def test_a_tree_session_survives_losing_its_drafter_and_its_verifier(pair):
+    """Mid-generation the session's drafter stops, then its verifier: both are reopened from the
+    committed prefix with the tree, and the greedy output is still the verifier's, streamed once."""
+    import asyncio
+
+    from coordinator.client import Chunk
+
+    verifier, drafter = pair
+    ids, n = PROMPTS[0], 40
+    want = autoregressive_generate(verifier, ids, DecodeConfig(max_new_tokens=n)).token_ids
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(), verifiers=2,
+                            drafters=2) as cluster:
+        servers = {**dict(zip(cluster.verifier_targets, cluster.verifier_servers)),
+                   **dict(zip(cluster.drafter_targets, cluster.drafter_servers))}
+        store = cluster.coordinator.store
+        streamed, summary, chunks = [], None, 0
+        async with cluster.client(retries=0) as client:
+            async for item in client.agenerate(prompt_ids=ids, max_new_tokens=n, tree="0,1,00", timeout=60,
+                                               session_id="tree-failover"):
+                if not isinstance(item, Chunk):
+                    summary = item
+                    continue
+                streamed.extend(item.token_ids)
+                chunks += 1
+                if chunks in (2, 4):
+                    placement = (await store.get_session("tree-failover")).placement
+                    await asyncio.wait_for(servers[placement["drafter" if chunks == 2 else "verifier"]].stop(grace=0), 10)
+    assert streamed == want == list(summary.token_ids)
+    assert summary.resumes == 2 and summary.rounds < n
