@@ -96,6 +96,9 @@ def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_pat
             for spec in ("latency", "gammatune+:k=2", "adaedl"):
                 assert client.complete(prompt_ids=prompt, max_new_tokens=12, policy=spec,
                                        timeout=120).token_ids == expected.token_ids, spec
+            # ... and a draft tree, drafted by the drafter actor and walked by the verifier actor
+            tree = client.complete(prompt_ids=prompt, max_new_tokens=12, tree="0,1,2,00,10", timeout=120)
+            assert tree.token_ids == expected.token_ids and tree.rounds < 12
         # Deployed without allow_lossy: a sprinter request is refused, and the coordinator keeps serving.
         with Client(deployment.coordinator_target, retries=0) as client:
             with pytest.raises(grpc.RpcError) as info:

@@ -482,7 +482,7 @@ def write_plot(report: Dict[str, Any], path: str) -> None:
     ax1.set_ylabel("tokens/s (log scale)")
     ax1.set_yscale("log")
     ax1.set_title("throughput vs RTT (▲ = concurrent aggregate)")
-    ax1.legend()
+    ax1.legend(loc="lower left")  # the upper right holds the concurrent aggregates (▲)
     bottom = [0.0] * len(rows)
     for stage in STAGES:
         values = [r["speculative"].get("stage_ms", {}).get(stage, 0.0) for r in rows]
