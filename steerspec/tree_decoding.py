@@ -117,18 +117,34 @@ def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], sha
     sampling against `q_at` at T > 0), keep it in the cache.
 
     Returns (accepted node path, next token, hidden states [L, D] at the row that chose it)."""
-    config = config if config is not None else DecodeConfig()
     start = verifier.length
+    feed, positions, visible = tree_feed(pending, tokens, shape, start)
+    out = verifier.extend_tree(feed, positions, visible, hidden_layers)
+    return finish_tree(verifier, start, shape, tokens, out, config, q_at, generator, distinct)
+
+
+def tree_feed(pending: int, tokens: Sequence[int], shape: TreeShape, start: int) -> Tuple[List[int], Tensor, Tensor]:
+    """What the verifier feeds for a tree after `start` cached tokens: [pending, nodes...], their
+    positions (by depth) and the visibility mask [N + 1, start + N + 1] (the prefix and each token's ancestry)."""
     size = shape.size
     among = ancestor_mask(shape, range(size), range(size), with_root=True)  # [N, N + 1]
     root = torch.zeros(1, size + 1, dtype=torch.bool)
     root[0, 0] = True
     visible = torch.cat([torch.ones(size + 1, start, dtype=torch.bool), torch.cat([root, among])], dim=1)
     positions = start + torch.tensor((0,) + shape.depths, dtype=torch.long)
-    out = verifier.extend_tree([pending] + list(tokens), positions, visible, hidden_layers)
+    return [pending] + list(tokens), positions, visible
+
+
+def finish_tree(verifier: FastCachedLM, start: int, shape: TreeShape, tokens: Sequence[int], out,
+                config: Optional[DecodeConfig] = None, q_at: Optional[Dict[int, SparseDist]] = None,
+                generator: Optional[torch.Generator] = None, distinct: bool = True,
+                ) -> Tuple[List[int], int, Optional[Tensor]]:
+    """Acceptance over a scored tree (`out`: the verifier's StepOutput for `tree_feed`), the accepted path
+    kept in the cache -> (path, next token, hidden states [L, D] at the row that chose it, or None)."""
+    config = config if config is not None else DecodeConfig()
     path, token, row = _accept(shape, tokens, out.logits, config, q_at or {}, generator, distinct)
     verifier.keep(start + 1, [start + 1 + node for node in path])
-    hidden = out.hidden[:, row] if hidden_layers else None
+    hidden = out.hidden[:, row] if out.hidden is not None else None
     return path, token, hidden
 
 

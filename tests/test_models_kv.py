@@ -211,3 +211,37 @@ def test_a_prefill_from_empty_uses_the_causal_kernel_and_matches(loaded_pair):
     parts = cached_lm(verifier, "fast")
     first, second = parts.extend(ids[:, :10]).logits, parts.extend(ids[:, 10:]).logits
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=ATOL, rtol=0)
+
+
+def test_packed_extend_scores_trees_and_chains_together_as_alone():
+    """Rows with a tree (positions by depth, an ancestor mask) and plain rows in one packed pass give what
+    each row's own extend_tree / extend gives."""
+    from steerspec.models import load_model
+    from steerspec.models.batched import packed_extend
+    from steerspec.models.kv import FastCachedLM
+    from steerspec.tree_decoding import tree_feed
+    from steerspec.trees import parse_tree
+
+    model = load_model("verifier")
+    prefixes = [[4, 57, 310, 12], [88, 23, 7, 9, 11], [5, 9]]
+    shape = parse_tree("0,1,00,10")
+    alone, packed = [], []
+    for _ in range(2):
+        lms = [FastCachedLM(model) for _ in prefixes]
+        for lm, prefix in zip(lms, prefixes):
+            lm.extend(prefix)
+        feeds, trees = [], []
+        for i, lm in enumerate(lms):
+            if i == 1:  # a chain row between two tree rows
+                feeds.append([3, 4, 5])
+                trees.append(None)
+                continue
+            feed, positions, visible = tree_feed(7 + i, [10, 11, 12, 13], shape, lm.length)
+            feeds.append(feed)
+            trees.append((positions, visible))
+        if not alone:
+            alone = [lm.extend(f) if t is None else lm.extend_tree(f, *t) for lm, f, t in zip(lms, feeds, trees)]
+        else:
+            packed = packed_extend(lms, feeds, None, trees)
+    for a, p in zip(alone, packed):
+        assert torch.allclose(a.logits, p.logits, atol=1e-4, rtol=1e-4)

@@ -175,3 +175,24 @@ async def test_a_tree_session_survives_losing_its_drafter_and_its_verifier(pair)
                     await asyncio.wait_for(servers[placement["drafter" if chunks == 2 else "verifier"]].stop(grace=0), 10)
     assert streamed == want == list(summary.token_ids)
     assert summary.resumes == 2 and summary.rounds < n
+
+
+async def test_concurrent_tree_sessions_share_a_pass_and_keep_their_own_draws(pair):
+    """Three sessions at once at T = 1 (and greedy): their trees are scored in shared packed passes, and
+    each still gets exactly its in-process tokens for its seed."""
+    import asyncio
+
+    verifier, drafter = pair
+    tree = "0,1,2,00,10"
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature)
+        want = [tree_generate(cached_lm(verifier), cached_lm(drafter), ids,
+                              DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed, draft_top_k=16),
+                              tree).token_ids for seed, ids in enumerate(PROMPTS)]
+        async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(),
+                                verifier_options={"batch_window_ms": 20.0}) as cluster:
+            results = await asyncio.gather(*[
+                cluster.generate(ids, max_new_tokens=NEW_TOKENS, temperature=temperature, seed=seed, draft_top_k=16,
+                                 tree=tree) for seed, ids in enumerate(PROMPTS)])
+        assert [list(r.token_ids) for r in results] == want, temperature
+        assert max(b.batch_size for r in results for b in r.blocks) > 1  # trees shared a verifier pass

@@ -1,9 +1,9 @@
 """Draft-tree sessions on the verifier (VerifyOpen.tree): each block holds the first nodes of the
-session's static tree, breadth-first, and is verified on its own by the in-process
-`tree_decoding.verify_tree` (one pass over the pending token and every node with an ancestor mask,
-the greedy walk or recursive rejection sampling over siblings drawn without replacement, the cache
-keeping the accepted path), so a seeded session draws exactly what `tree_generate` draws in one
-process. Chain sessions in the same batch keep the batched path.
+session's static tree, breadth-first, and is verified by the in-process `tree_decoding` steps (the
+pending token and every node scored with an ancestor mask, the greedy walk or recursive rejection
+sampling over siblings drawn without replacement, the cache keeping the accepted path), so a seeded
+session draws exactly what `tree_generate` draws in one process. Concurrent sessions' trees share one
+packed pass (each row with its own positions and mask); chain sessions in the same batch keep theirs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from steerspec.models.graphed import GraphedLM
 from steerspec.models.kv import FastCachedLM
 from steerspec.rounds import DecodeConfig
 from steerspec.sampling import SparseDist
-from steerspec.tree_decoding import verify_tree
+from steerspec.models.batched import packed_extend
+from steerspec.tree_decoding import finish_tree, tree_feed
 from steerspec.trees import TreeShape, prefix
 from steerspec.wire import ProtocolError, invalid
 from verifier_service import fast_verify
@@ -59,28 +60,44 @@ def block_shape(tree: TreeShape, k: int, seq: int) -> TreeShape:
 
 
 @torch.inference_mode()
-def run(runner, job):
-    """One tree job -> JobResult (batch size 1) with the accepted path."""
+def run(runner, jobs) -> List:
+    """Tree jobs -> JobResults with their accepted paths: every tree scored in ONE packed pass
+    (`packed_extend` with each row's positions and ancestor mask), then each session's own walk."""
     from verifier_service.batcher import JobResult
 
     start = time.perf_counter()
-    session, block = job.session, job.block
-    shape = block_shape(session.tree, block.k, block.seq)
-    q_at = None if (block.q is None or session.greedy) else parents_q(shape, block.q)
-    layers = fast_verify._layers(runner) if (session.steering and runner.head is not None) else None
-    path, next_token, hidden = verify_tree(session.lm, session.pending, block.draft_ids.tolist(), shape, layers,
-                                           DecodeConfig(sampling=session.params), q_at, session.generator)
-    steering = None if hidden is None else fast_verify._head(runner, hidden.unsqueeze(0))[0]
+    sessions = [job.session for job in jobs]
+    shapes = [block_shape(s.tree, job.block.k, job.block.seq) for s, job in zip(sessions, jobs)]
+    starts = [s.lm.length for s in sessions]
+    fed = [tree_feed(s.pending, job.block.draft_ids.tolist(), shape, at)
+           for s, job, shape, at in zip(sessions, jobs, shapes, starts)]
+    want_hidden = runner.head is not None and any(s.steering for s in sessions)
+    outs = packed_extend([s.lm for s in sessions], [f[0] for f in fed],
+                         fast_verify._layers(runner) if want_hidden else None, [(f[1], f[2]) for f in fed])
+    walked = []
+    for session, job, shape, at, out in zip(sessions, jobs, shapes, starts, outs):
+        q_at = None if (job.block.q is None or session.greedy) else parents_q(shape, job.block.q)
+        walked.append(finish_tree(session.lm, at, shape, job.block.draft_ids.tolist(), out,
+                                  DecodeConfig(sampling=session.params), q_at, session.generator))
+    steering = [None] * len(jobs)
+    if want_hidden:
+        g = fast_verify._head(runner, torch.stack([hidden for _, _, hidden in walked]))
+        steering = [g[i] if s.steering else None for i, s in enumerate(sessions)]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    leaf = not (shape.children(path[-1]) if path else shape.children(-1))
-    return JobResult(accepted=len(path), next_token=next_token, is_bonus=leaf, steering=steering,
-                     queue_ms=(start - job.submitted) * 1e3, verify_ms=(time.perf_counter() - start) * 1e3,
-                     batch_size=1, path=path)
+    verify_ms = (time.perf_counter() - start) * 1e3
+    results = []
+    for i, (job, shape, (path, next_token, _)) in enumerate(zip(jobs, shapes, walked)):
+        leaf = not (shape.children(path[-1]) if path else shape.children(-1))
+        results.append(JobResult(accepted=len(path), next_token=next_token, is_bonus=leaf, steering=steering[i],
+                                 queue_ms=(start - job.submitted) * 1e3, verify_ms=verify_ms,
+                                 batch_size=len(jobs), path=path))
+    return results
 
 
 def run_mixed(runner, jobs) -> List:
-    """Results in job order: tree jobs one by one, the others through `runner.run` together."""
+    """Results in job order: the tree jobs together in one pass, the others through `runner.run` together."""
     chains = [job for job in jobs if job.session.tree is None]
+    trees = iter(run(runner, [job for job in jobs if job.session.tree is not None]))
     batched = iter(runner.run(chains) if chains else [])
-    return [run(runner, job) if job.session.tree is not None else next(batched) for job in jobs]
+    return [next(trees) if job.session.tree is not None else next(batched) for job in jobs]

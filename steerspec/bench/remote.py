@@ -282,7 +282,7 @@ async def _sequential(cluster, prompts, args, mode: str, tree: str = "") -> List
     return results
 
 
-async def _concurrent(cluster, prompts, args, sessions: int) -> Dict[str, Any]:
+async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "") -> Dict[str, Any]:
     """The same `max(--concurrency)` speculative generations, `sessions` at a time (waves of
     `asyncio.gather`); aggregate tokens/s = all their tokens / the wall time of all waves."""
     total = max(args.concurrency_list)
@@ -292,7 +292,8 @@ async def _concurrent(cluster, prompts, args, sessions: int) -> Dict[str, Any]:
         results += await asyncio.gather(*[
             cluster.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, k=args.k,
-                             draft_top_k=args.draft_top_k, mode="speculative", steering=cluster.steering, timeout=600)
+                             draft_top_k=args.draft_top_k, mode="speculative", steering=cluster.steering, timeout=600,
+                             tree=tree)
             for i in range(wave, min(total, wave + sessions))])
     return summarize_runs(results, wall_s=time.perf_counter() - start)
 
@@ -361,6 +362,12 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
             low, high = min(args.concurrency_list), max(args.concurrency_list)
             if low != high and conc[str(low)]["tokens_per_s"]:
                 row["concurrency_ratio"] = round(conc[str(high)]["tokens_per_s"] / conc[str(low)]["tokens_per_s"], 3)
+            if args.tree:  # the same sessions drafting the tree: its blocks share packed verifier passes too
+                tconc = {str(n): await _concurrent(cluster, prompts, args, n, args.tree) for n in args.concurrency_list}
+                row["tree_concurrency"] = tconc
+                if low != high and tconc[str(low)]["tokens_per_s"]:
+                    row["tree_concurrency_ratio"] = round(
+                        tconc[str(high)]["tokens_per_s"] / tconc[str(low)]["tokens_per_s"], 3)
         _progress(row)
         return row
 
@@ -443,16 +450,21 @@ def print_report(report: Dict[str, Any]) -> None:
     if conc_rows:
         ctable = Table(title="aggregate tokens/s, concurrent speculative sessions")
         ctable.add_column("RTT ms", justify="right")
+        ctable.add_column("draft", justify="left")
         sessions = list(conc_rows[0]["concurrency"].keys())
         for n in sessions:
             ctable.add_column(f"{n} session{'s' if n != '1' else ''} tok/s", justify="right")
             ctable.add_column(f"batch ({n})", justify="right")
         ctable.add_column("ratio", justify="right")
         for r in conc_rows:
-            cells = []
-            for n in sessions:
-                cells += [_f(r["concurrency"][n]["tokens_per_s"]), _f(r["concurrency"][n].get("batch_size"), 2)]
-            ctable.add_row(f"{r['rtt_ms']:g}", *cells, _f(r.get("concurrency_ratio"), 2))
+            for key, label in (("concurrency", f"k={cfg['k']}"), ("tree_concurrency", f"tree {cfg.get('tree')}")):
+                if key not in r:
+                    continue
+                cells = []
+                for n in sessions:
+                    cells += [_f(r[key][n]["tokens_per_s"]), _f(r[key][n].get("batch_size"), 2)]
+                ratio = r.get("concurrency_ratio" if key == "concurrency" else "tree_concurrency_ratio")
+                ctable.add_row(f"{r['rtt_ms']:g}", label, *cells, _f(ratio, 2))
         console.print(ctable)
     for name, t in report["targets"].items():
         console.print(f"target {name}: {json.dumps({k: v for k, v in t.items()})}")

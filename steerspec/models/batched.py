@@ -19,7 +19,7 @@ This module reads FastCachedLM's internals (same package): plans, buffers, rotar
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +77,17 @@ def batched_extend(lms: Sequence[CachedLM], tokens: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], Tensor]],
-                  hidden_layers: Optional[Sequence[int]] = None) -> List[StepOutput]:
+                  hidden_layers: Optional[Sequence[int]] = None,
+                  trees: Optional[Sequence[Optional[Tuple[Tensor, Tensor]]]] = None) -> List[StepOutput]:
     """Feed feeds[i] after lms[i]'s cached prefix, every row in one pass; per row, what
-    `lms[i].extend(feeds[i], hidden_layers)` returns (logits [n_i, V], hidden [L, n_i, D])."""
+    `lms[i].extend(feeds[i], hidden_layers)` returns (logits [n_i, V], hidden [L, n_i, D]), or with
+    trees[i] = (positions [n_i], visible [n_i, start_i + n_i]) what `lms[i].extend_tree` returns."""
     if len(lms) != len(feeds):
         raise ValueError(f"need one feed per sequence: {len(lms)} sequences, {len(feeds)} feeds")
+    trees = list(trees) if trees is not None else [None] * len(lms)
     if len(lms) == 1 or not can_batch(lms) or any(len(feed) == 0 for feed in feeds):
-        return [lm.extend(feed, hidden_layers) for lm, feed in zip(lms, feeds)]
+        return [lm.extend(feed, hidden_layers) if tree is None else lm.extend_tree(feed, *tree, hidden_layers)
+                for lm, feed, tree in zip(lms, feeds, trees)]
     first: FastCachedLM = lms[0]  # type: ignore[assignment]
     layers = list(hidden_layers or ())
     for index in layers:
@@ -98,10 +102,15 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
     total = sum(counts)
     hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
     gqa = heads != kv_heads
-    cos = torch.cat([lm._cos[s : s + n] for lm, s, n in zip(lms, starts, counts)]).view(total, 1, hd)
-    sin = torch.cat([lm._sin[s : s + n] for lm, s, n in zip(lms, starts, counts)]).view(total, 1, hd)
-    masks = [None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=device).tril_(diagonal=s)
-             for s, n in zip(starts, counts)]
+    def rotary(table: str) -> Tensor:  # a tree's tokens sit at their depth, not at their slot
+        return torch.cat([getattr(lm, table)[s : s + n] if tree is None else
+                          getattr(lm, table).index_select(0, tree[0].to(device, torch.long))
+                          for lm, s, n, tree in zip(lms, starts, counts, trees)]).view(total, 1, hd)
+
+    cos, sin = rotary("_cos"), rotary("_sin")
+    masks = [tree[1].to(device, torch.bool) if tree is not None else
+             None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=device).tril_(diagonal=s)
+             for s, n, tree in zip(starts, counts, trees)]
     spans = []
     offset = 0
     for n in counts:
