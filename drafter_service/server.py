@@ -24,7 +24,6 @@ import torch
 from steerspec import rounds
 from steerspec import wire
 from steerspec.compute import inline_compute
-from steerspec.models.graphed import GraphedLM
 from steerspec.models.kv import FastCachedLM, prepare_weight_copies
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
@@ -151,6 +150,10 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         verification = _verification(msg.verification)
         tree = wire.tree_from_proto(msg.tree)
+        if tree is not None and not FastCachedLM.supports(self.model):
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
+                                "which a draft tree needs: open the session without a tree")
         if tree is not None:
             if verification.lossy:
                 raise wire.invalid("a draft tree is verified exactly: open the session with verification 'exact' "
@@ -179,11 +182,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
                                   tree=tree)
-        if tree is not None and (not isinstance(session.lm, FastCachedLM) or isinstance(session.lm, GraphedLM)):
-            self.table.close(session)
-            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this drafter's KV cache cannot hold a draft tree (it needs the lean FastCachedLM; "
-                                "CUDA graphs' static pool does not take one): open the session without a tree")
         if loaded is not None:
             from steerspec.sprinter.decoding import SprinterScorer
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from steerspec import rounds
 from steerspec.batching import free_cache
 from steerspec.models.batched import can_batch
-from steerspec.models.kv import CachedLM, cached_lm
+from steerspec.models.kv import CachedLM, FastCachedLM, cached_lm
 from steerspec.models.loading import kv_bytes_per_token
 from steerspec.policies import BlockFeedback, PolicyContext, PolicyError, make_policy
 from steerspec.drafting import DraftRow, draft_blocks
@@ -323,7 +323,9 @@ class DrafterSessionTable:
             raise ProtocolError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this drafter already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
-        session = DrafterSession(session_id=session_id, lm=cached_lm(self.model), **fields)
+        # a draft tree needs the lean cache on any device (the graphed static pool takes no tree)
+        lm = FastCachedLM(self.model) if fields.get("tree") is not None else cached_lm(self.model)
+        session = DrafterSession(session_id=session_id, lm=lm, **fields)
         self.sessions[session_id] = session
         return session
 

@@ -196,3 +196,13 @@ async def test_concurrent_tree_sessions_share_a_pass_and_keep_their_own_draws(pa
                                  tree=tree) for seed, ids in enumerate(PROMPTS)])
         assert [list(r.token_ids) for r in results] == want, temperature
         assert max(b.batch_size for r in results for b in r.blocks) > 1  # trees shared a verifier pass
+
+
+async def test_a_verifier_on_the_transformers_cache_refuses_a_tree_and_names_the_fix(pair):
+    verifier, drafter = pair
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(),
+                            verifier_options={"kv_backend": "hf"}) as cluster:
+        with pytest.raises(SessionError) as info:
+            await cluster.generate(PROMPTS[0], max_new_tokens=4, tree="0,1")
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--kv-backend" in str(info.value)
+        assert len((await cluster.generate(PROMPTS[0], max_new_tokens=4, k=2)).token_ids) == 4  # chains still run

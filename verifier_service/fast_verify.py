@@ -32,13 +32,16 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def session_lm(model, backend: str = "auto") -> CachedLM:
+def session_lm(model, backend: str = "auto", tree: bool = False) -> CachedLM:
     """A session's verifier cache (`--kv-backend`). auto: graphed/fast when the device path serves
     this model, the lean FastCachedLM on the host path (a CPU; `VerifyRunner.run` packs its
     batches), the transformers cache for architectures the fast forward does not cover. fast: a
-    FastCachedLM on either path. hf: the transformers cache (its padded batched pass)."""
+    FastCachedLM on either path. hf: the transformers cache (its padded batched pass). A draft-tree
+    session (`tree`) gets a FastCachedLM on any device: the graphed static pool takes no tree."""
     if check_backend(backend) == "hf" or not FastCachedLM.supports(model):
         return CachedLM(model)
+    if tree:
+        return FastCachedLM(model)
     return cached_lm(model) if backend == "auto" and fastpath.enabled(model.device) else FastCachedLM(model)
 
 

@@ -104,8 +104,8 @@ class SessionTable:
                                 f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         self.check_room(None, prompt_len + max_k)
-        session = VerifierSession(session_id=session_id, lm=fast_verify.session_lm(self.model, self.kv_backend),
-                                  committed=prompt_len, max_k=max_k, **fields)
+        lm = fast_verify.session_lm(self.model, self.kv_backend, tree=fields.get("tree") is not None)
+        session = VerifierSession(session_id=session_id, lm=lm, committed=prompt_len, max_k=max_k, **fields)
         self.sessions[session_id] = session
         self.reserved[session_id] = prompt_len + max_k
         return session

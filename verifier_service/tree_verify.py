@@ -29,8 +29,9 @@ def check_session(lm) -> None:
     """FAILED_PRECONDITION unless the session's cache can hold a tree (the host path's FastCachedLM)."""
     if not isinstance(lm, FastCachedLM) or isinstance(lm, GraphedLM):
         raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                            "draft trees need the lean KV cache on this replica: start the verifier with "
-                            "--kv-backend fast (or open the session without a tree)")
+                            "draft trees need the lean KV cache, which this replica's model or --kv-backend hf "
+                            "does not give: start the verifier with --kv-backend auto or fast, or open the "
+                            "session without a tree")
 
 
 def parents_q(shape: TreeShape, q: SparseDist) -> Dict[int, SparseDist]:
