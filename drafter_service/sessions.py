@@ -32,7 +32,7 @@ from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sprinter.decoding import draft_run
 from steerspec.sampling import SamplingParams, SparseDist
-from steerspec.tree_decoding import draft_tree
+from steerspec.tree_decoding import cached_path, draft_tree
 from steerspec.trees import TreeShape, cut_to_depth, prefix
 from steerspec.wire import ProtocolError, invalid
 
@@ -282,19 +282,13 @@ class Drafter:
             session.steering = steering
         session.proposal = None
 
-
     def _keep_path(self, session: DrafterSession, path: List[int], next_token: int, steering: Optional[Tensor]) -> None:
+        """A tree block's feedback: commit the path's tokens and the next one; the cache keeps the path."""
         proposal = session.proposal
-        n, fed = proposal.committed_length, proposal.fed
+        n = proposal.committed_length
         session.committed.extend(proposal.draft_ids[node] for node in path)
         session.committed.append(next_token)
-        kept = []
-        for node in path:  # the accepted nodes the cache already holds, in order (leaves were never fed)
-            if node not in fed:
-                break
-            kept.append(n + fed.index(node))
-        if session.lm.length > n:
-            session.lm.keep(n, kept)
+        session.lm.keep(n, cached_path(path, proposal.fed, n))
         if steering is not None:
             session.steering = steering
         session.proposal = None

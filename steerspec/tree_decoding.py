@@ -123,6 +123,17 @@ def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], sha
     return finish_tree(verifier, start, shape, tokens, out, config, q_at, generator, distinct)
 
 
+def cached_path(path: Sequence[int], fed: Sequence[int], start: int) -> List[int]:
+    """The drafter's cache slots of the accepted path's nodes it holds (the leaves were never fed), in order:
+    what `FastCachedLM.keep(start, ...)` keeps after a tree block drafted on `start` committed tokens."""
+    slots = []
+    for node in path:
+        if node not in fed:
+            break
+        slots.append(start + list(fed).index(node))
+    return slots
+
+
 def tree_feed(pending: int, tokens: Sequence[int], shape: TreeShape, start: int) -> Tuple[List[int], Tensor, Tensor]:
     """What the verifier feeds for a tree after `start` cached tokens: [pending, nodes...], their
     positions (by depth) and the visibility mask [N + 1, start + N + 1] (the prefix and each token's ancestry)."""
@@ -194,12 +205,7 @@ def tree_generate(
         path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify,
                                                distinct)
         t2 = time.perf_counter()
-        kept = []
-        for node in path:  # the accepted nodes the drafter already holds, in order
-            if node not in fed:
-                break
-            kept.append(n + fed.index(node))
-        drafter.keep(n, kept)
+        drafter.keep(n, cached_path(path, fed, n))
         rest = [i for i in range(len(tokens)) if i not in path]
         order = [tokens[i] for i in path] + [tokens[i] for i in rest]
         block = DraftBlock(tokens=torch.tensor([order], dtype=torch.long), lengths=torch.tensor([len(order)]))
