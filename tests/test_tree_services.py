@@ -206,3 +206,26 @@ async def test_a_verifier_on_the_transformers_cache_refuses_a_tree_and_names_the
             await cluster.generate(PROMPTS[0], max_new_tokens=4, tree="0,1")
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--kv-backend" in str(info.value)
         assert len((await cluster.generate(PROMPTS[0], max_new_tokens=4, k=2)).token_ids) == 4  # chains still run
+
+
+async def test_a_tree_session_goes_on_verifier_only_when_no_drafter_is_left(pair):
+    import asyncio
+
+    from coordinator.client import Chunk
+
+    verifier, drafter = pair
+    ids, n = PROMPTS[2], 24
+    want = autoregressive_generate(verifier, ids, DecodeConfig(max_new_tokens=n)).token_ids
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        streamed, summary, chunks = [], None, 0
+        async with cluster.client(retries=0) as client:
+            async for item in client.agenerate(prompt_ids=ids, max_new_tokens=n, tree="0,1,00", timeout=60):
+                if not isinstance(item, Chunk):
+                    summary = item
+                    continue
+                streamed.extend(item.token_ids)
+                chunks += 1
+                if chunks == 2:
+                    await asyncio.wait_for(cluster.drafter_servers[0].stop(grace=0), 10)
+    assert streamed == want == list(summary.token_ids)
+    assert summary.resumes == 1
