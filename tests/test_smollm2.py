@@ -141,16 +141,19 @@ def test_every_bundled_drafter_writes_the_verifiers_greedy_output(alone, capsys,
     assert out["accepted"] > 0  # the trained drafter is right some of the time, so blocks really skip steps
 
 
-def test_run_defaults_to_the_sd2_drafter_under_gammatune_plus_and_k_means_fixed(alone, capsys):
-    """`steerspec run` without --drafter, --policy or --k: smollm2-sd2 under gammatune+ (chosen from bench
-    policies); --k K alone means fixed:k=K; both write the verifier's greedy tokens."""
+def test_run_defaults_to_the_sd2_drafter_and_the_default_tree_and_k_means_fixed(alone, capsys):
+    """`steerspec run` without --drafter, --policy or --k: smollm2-sd2 drafting the default tree (measured
+    faster than every draft-length policy); --policy gammatune+ and --k K (fixed:k=K) draft chains; all
+    write the verifier's greedy tokens."""
     from steerspec.cli import main
+    from steerspec.trees import DEFAULT_TREE
 
-    for extra, policy, k in (([], "gammatune+", 24), (["--k", "3"], "fixed:k=3", 3)):
+    for extra, policy, k, tree in (([], None, None, DEFAULT_TREE), (["--policy", "gammatune+"], "gammatune+", 24, None),
+                                   (["--k", "3"], "fixed:k=3", 3, None)):
         assert main(["run", PROMPT, "--max-new-tokens", "16", "--transport", "inproc", "--threads", "1",
                      "--json"] + extra) == 0
         out = json.loads(capsys.readouterr().out)
-        assert (out["drafter"], out["policy"], out["k"]) == ("smollm2-sd2", policy, k)
+        assert (out["drafter"], out["policy"], out["k"], out["tree"]) == ("smollm2-sd2", policy, k, tree)
         assert out["token_ids"] == alone[2][:16]
 
 

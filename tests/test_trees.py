@@ -271,3 +271,22 @@ def test_sampling_on_a_tree_is_the_verifiers_distribution(loaded_pair, eval_prom
     assert 0.05 * n < accepted < 1.9 * n, accepted
     p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+@pytest.mark.parametrize("change,tree", [
+    ({}, DEFAULT_TREE), ({"k": 3}, None), ({"policy": "latency"}, None), ({"mode": "autoregressive"}, None),
+    ({"device": "cuda"}, None), ({"lossy": True}, None),
+])
+def test_run_drafts_the_default_tree_only_where_one_can_run(change, tree):
+    """`steerspec run` without --tree, --policy or --k drafts the default tree on a CPU; --k, --policy,
+    autoregressive and lossy runs, and GPUs (trees unmeasured there) keep chains."""
+    import argparse
+
+    from steerspec.cli.run import default_tree
+
+    fields = {"verifier": "verifier", "drafter": "pretrained", "policy": None, "k": None, "mode": "speculative",
+              "device": "cpu", "tree": None, **change}
+    lossy = fields.pop("lossy", False)
+    args = argparse.Namespace(**fields)
+    shape = default_tree(args, lossy)
+    assert (shape.spec() if shape else None) == tree and args.tree == tree

@@ -76,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser)
     add_model_arguments(parser, verifier="smollm2", drafter="smollm2-sd2")
     parser.add_argument("--policy", default=None, metavar="SPEC",
-                        help=f"draft-length policy NAME[:key=value,...] (default: fixed with --k when given, "
-                             f"else {DEFAULT_POLICY}), e.g. fixed:k=4")
+                        help=f"draft-length policy NAME[:key=value,...] instead of the default draft tree (default: "
+                             f"fixed with --k when given; {DEFAULT_POLICY} where no tree can run), e.g. fixed:k=4")
     parser.add_argument("--mode", default="speculative", choices=MODES,
                         help="speculative (default) or autoregressive (the verifier alone)")
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=None, metavar="SPEC",
                         help="draft tree instead of a draft length: rank paths such as 0,1,00,000 or 'default' "
                              "(in process and through the services; at T > 0 each node's children are sampled "
-                             "without replacement; steerspec/trees.py)")
+                             "without replacement; steerspec/trees.py). Default on a CPU without --policy or --k: "
+                             "the default tree")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
@@ -207,7 +208,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
     verification = parse_verification_arg(args)
-    tree = tree_from_args(args, verification.lossy)
+    tree = tree_from_args(args, verification.lossy) or default_tree(args, verification.lossy)
     policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
@@ -276,6 +277,32 @@ def tree_from_args(args: argparse.Namespace, lossy: bool):
         raise UsageError("--tree needs --mode speculative and --verification exact")
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
         raise UsageError("--tree replaces the draft length: drop --policy and --k")
+    args.tree = shape.spec()
+    return shape
+
+
+def default_tree(args: argparse.Namespace, lossy: bool):
+    """The default draft tree, when `steerspec run` is given no --tree, --policy or --k: on the real pair it
+    is faster than every draft-length policy measured, in process and through the services
+    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive or lossy runs, a
+    GPU (trees are not measured there yet) and architectures without the lean KV cache trees need."""
+    if getattr(args, "policy", None) or getattr(args, "k", None) is not None or lossy or \
+            getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu":
+        return None
+    from transformers import AutoConfig
+
+    from steerspec.models import resolve_model_dir
+    from steerspec.models.kv import FastCachedLM
+    from steerspec.trees import DEFAULT_TREE, parse_tree
+
+    for name in (args.verifier, args.drafter):
+        try:
+            config = AutoConfig.from_pretrained(str(resolve_model_dir(name)), local_files_only=True)
+        except Exception:  # noqa: BLE001 - an unusable model is reported where it is loaded, not here
+            return None
+        if not FastCachedLM.supports_config(config):
+            return None
+    shape = parse_tree(DEFAULT_TREE)
     args.tree = shape.spec()
     return shape
 

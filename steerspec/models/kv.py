@@ -302,8 +302,8 @@ class FastCachedLM(CachedLM):
         self.up_bias = None if biases is None else list(biases)
 
     @staticmethod
-    def supports(model) -> bool:
-        config = model.config
+    def supports_config(config) -> bool:
+        """What a model's config alone says: an architecture the lean forward covers (before loading it)."""
         if config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
             return False
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
@@ -313,6 +313,12 @@ class FastCachedLM(CachedLM):
         if window and ("sliding_attention" in layer_types or config.model_type == "mistral"):
             if window < int(getattr(config, "max_position_embeddings", 0) or 0):
                 return False
+        return True
+
+    @staticmethod
+    def supports(model) -> bool:
+        if not FastCachedLM.supports_config(model.config):
+            return False
         attn = decoder_layers(model)[0].self_attn
         return all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
 
