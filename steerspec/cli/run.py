@@ -57,7 +57,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, verifier: str = "verifi
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling and draft flags (shared with benchmarks)."""
+    """Sampling and draft flags of `steerspec run`."""
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 = greedy (default: 0, deterministic)")
@@ -65,8 +65,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
     parser.add_argument("--k", type=int, default=None,
-                        help=f"fixed draft length per block, 1..64, i.e. --policy fixed:k=K "
-                             f"(default: the {DEFAULT_POLICY} policy)")
+                        help=f"fixed draft length per block, 1..64, i.e. --policy fixed:k=K (default: the "
+                             f"default draft tree on a CPU, else the {DEFAULT_POLICY} policy)")
     parser.add_argument("--draft-top-k", type=int, default=64,
                         help="drafter samples from its top-K tokens; 0 = full vocabulary (default: 64)")
 
