@@ -275,7 +275,7 @@ def test_sampling_on_a_tree_is_the_verifiers_distribution(loaded_pair, eval_prom
 
 @pytest.mark.parametrize("change,tree", [
     ({}, DEFAULT_TREE), ({"k": 3}, None), ({"policy": "latency"}, None), ({"mode": "autoregressive"}, None),
-    ({"device": "cuda"}, None), ({"lossy": True}, None),
+    ({"device": "cuda"}, None), ({"lossy": True}, None), ({"coordinator": "10.0.0.5:50051"}, None),
 ])
 def test_run_drafts_the_default_tree_only_where_one_can_run(change, tree):
     """`steerspec run` without --tree, --policy or --k drafts the default tree on a CPU; --k, --policy,
@@ -285,7 +285,7 @@ def test_run_drafts_the_default_tree_only_where_one_can_run(change, tree):
     from steerspec.cli.run import default_tree
 
     fields = {"verifier": "verifier", "drafter": "pretrained", "policy": None, "k": None, "mode": "speculative",
-              "device": "cpu", "tree": None, **change}
+              "device": "cpu", "tree": None, "coordinator": None, **change}
     lossy = fields.pop("lossy", False)
     args = argparse.Namespace(**fields)
     shape = default_tree(args, lossy)

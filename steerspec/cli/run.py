@@ -285,9 +285,11 @@ def default_tree(args: argparse.Namespace, lossy: bool):
     """The default draft tree, when `steerspec run` is given no --tree, --policy or --k: on the real pair it
     is faster than every draft-length policy measured, in process and through the services
     (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive or lossy runs, a
-    GPU (trees are not measured there yet) and architectures without the lean KV cache trees need."""
+    GPU (trees are not measured there yet), architectures without the lean KV cache trees need, and a
+    remote --coordinator (its replicas' devices and models are not known here)."""
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None or lossy or \
-            getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu":
+            getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu" \
+            or getattr(args, "coordinator", None):
         return None
     from transformers import AutoConfig
 
