@@ -82,10 +82,30 @@ def test_train_heads_then_bench_policies(tiny_pair, tmp_path, capsys):
     (["--policies", "fixed:k=0"], "[1, 64]"),
     (["--initial-k", "0"], "--initial-k"),
     (["--sets", "bogus"], "--sets"),
+    (["--trees", "0,11"], "needs its parent"),
 ])
 def test_bench_policies_bad_flags_exit_2(argv, fragment, capsys):
     assert main(["bench", "policies", *argv]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_bench_policies_runs_draft_trees_beside_the_policies(tmp_path, capsys):
+    """--trees adds rows of policy 'tree' in every regime, compared prompt by prompt with the best fixed k
+    in the same interleaved run: as many tokens as the verifier alone, in fewer verifier calls."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "policies", "--quick", "--verifier", "verifier", "--drafter", "pretrained", "--policies",
+                 "fixed", "--initial-k", "2", "--sets", "indist", "--rtt-ms", "0", "--temperatures", "0",
+                 "--prompts", "2", "--max-new-tokens", "16", "--trees", "default", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["trees"] == ["0,1,2,00,10"] and "--trees 'default'" in report["command"]
+    trees = {r["regime"]: r for r in report["pacer_table"] if r["policy"] == "tree"}
+    assert set(trees) == {"inprocess", "rtt0"}
+    for regime, row in trees.items():
+        assert row["spec"] == "tree:0,1,2,00,10" and row["vs_best_fixed"] is not None
+        alone = next(r for r in report["rows"] if r["regime"] == regime and r["policy"] == "verifier")["metrics"]
+        tree = next(r for r in report["rows"] if r["regime"] == regime and r["policy"] == "tree")["metrics"]
+        assert tree["tokens"] == alone["tokens"] and tree["verifier_calls"] < alone["verifier_calls"]
+    assert "tree" in capsys.readouterr().out
 
 
 def test_an_sd2_drafter_labels_its_blocks_steered():

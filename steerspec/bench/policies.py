@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from steerspec.errors import UsageError, float_list
 
 HAS_INITIAL_K = {"fixed": "k", "heuristic": "k", "gammatune": "k", "gammatune+": "k"}
+TREE_PREFIX = "tree:"  # a configuration that drafts a static tree (--trees) instead of following a policy
 DEFAULT_POLICIES = "fixed,heuristic,threshold,adaedl,specdecpp,gammatune,gammatune+,pacer,latency"
 PAPER_KS = "1,2,3,4,5,6,7,8,12,16,20,24"
 
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help="comma-separated policy specs; ';' separates specs that contain commas")
     parser.add_argument("--initial-k", default=PAPER_KS, help="initial k for policies that have one")
+    parser.add_argument("--trees", default="",
+                        help="draft trees to run beside the policies, ';'-separated rank paths or 'default' (rows of "
+                             "policy 'tree': exact, no draft length to choose)")
     parser.add_argument("--sets", default="indist,tests,docs", help="eval sets")
     parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated RTTs through the services ('' = none)")
     parser.add_argument("--temperatures", default="0,1")
@@ -91,8 +95,13 @@ def _validate(args) -> None:
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise UsageError("--prompts must be >= 1 and --max-new-tokens >= 2")
     from steerspec.policies import PolicyError, parse_spec, split_specs
+    from steerspec.trees import parse_tree
 
     args.policy_list = split_specs(args.policies)
+    try:
+        args.tree_list = [parse_tree(t).spec() for t in args.trees.split(";") if t.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--trees: {exc}") from None
 
     for spec in args.policy_list:
         try:
@@ -143,14 +152,17 @@ def _config(args, temperature: float, i: int, eos):
                         sampling=SamplingParams(temperature), eos_token_ids=eos)
 
 
-def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None):
-    """One prompt under one policy (None = the verifier alone), in-process (an SD² drafter steered by
-    `steering`); returns (result, wall seconds)."""
+def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None, tree: Optional[str] = None):
+    """One prompt under one policy (None = the verifier alone) or draft tree, in-process (an SD² drafter
+    steered by `steering`); returns (result, wall seconds)."""
     from steerspec.engine import autoregressive_generate, speculative_generate
+    from steerspec.tree_decoding import tree_generate
 
     config = _config(args, temperature, i, eos)
     start = time.perf_counter()
-    if policy is None:
+    if tree is not None:
+        result = tree_generate(v, d, prompt, config, tree, steering=steering)
+    elif policy is None:
         result = autoregressive_generate(v, prompt, config)
     else:
         result = speculative_generate(v, d, prompt, config, policy, steering=steering)
@@ -158,11 +170,14 @@ def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering
 
 
 async def run_services(cluster, prompt, i: int, args, temperature, spec: Optional[str]):
-    """One prompt under one policy (None = the verifier alone) through the services; (result, wall s)."""
+    """One prompt under one policy (None = the verifier alone; `tree:SPEC` a draft tree) through the
+    services; (result, wall s)."""
+    tree = spec[len(TREE_PREFIX):] if spec and spec.startswith(TREE_PREFIX) else ""
     result = await cluster.generate(
         prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
         draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
-        policy=spec or "fixed", steering=cluster.steering and spec is not None, timeout=600)
+        policy="fixed" if (tree or not spec) else spec, steering=cluster.steering and spec is not None, timeout=600,
+        tree=tree)
     return result, result.wall_s
 
 
@@ -173,7 +188,8 @@ def rotated(items: Sequence[Any], i: int) -> List[Any]:
 
 
 def _runs(args) -> List[tuple]:
-    return [(spec.partition(":")[0], k, full) for spec in args.policy_list for k, full in expand(spec, args.k_list)]
+    runs = [(spec.partition(":")[0], k, full) for spec in args.policy_list for k, full in expand(spec, args.k_list)]
+    return runs + [("tree", None, TREE_PREFIX + tree) for tree in getattr(args, "tree_list", [])]
 
 
 def _record(rows, **row) -> None:
@@ -243,10 +259,12 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
             common = {"set": set_name, "temperature": temperature}
             if not args.no_inprocess and (set_name, float(temperature), regime_name(None)) not in done:
                 # one policy object per configuration, kept across prompts (each sequence resets it)
-                policies = {spec: make_policy(spec, context) for _, _, spec in configs if spec}
+                policies = {spec: make_policy(spec, context) for _, _, spec in configs
+                            if spec and not spec.startswith(TREE_PREFIX)}
 
                 async def inprocess(prompt, i, spec):
-                    return run_inprocess(v, d, prompt, i, args, temperature, policies.get(spec), eos, steering)
+                    tree = spec[len(TREE_PREFIX):] if spec and spec.startswith(TREE_PREFIX) else None
+                    return run_inprocess(v, d, prompt, i, args, temperature, policies.get(spec), eos, steering, tree)
 
                 run_inprocess(v, d, prompts[0], 0, args, temperature, make_policy("fixed:k=4"), eos, steering)  # warm-up
                 await regime(prompts, inprocess, lambda **row: _record(rows, **common, regime=regime_name(None), **row))
@@ -540,16 +558,18 @@ def run(args: argparse.Namespace) -> int:
                                                                        hidden_size=int(drafter.config.hidden_size)))
         except PolicyError as exc:
             raise UsageError(str(exc)) from None
-    names = list(dict.fromkeys(spec.partition(":")[0] for spec in args.policy_list))
+    names = list(dict.fromkeys(spec.partition(":")[0] for spec in args.policy_list)) + (["tree"] if args.tree_list else [])
     command = ("steerspec bench policies" + (" --quick" if args.quick else "") +
                f" --verifier {args.verifier} --drafter {args.drafter} --policies '{args.policies}'"
                f" --initial-k {args.initial_k} --sets {args.sets} --rtt-ms '{args.rtt_ms}' --temperatures {args.temperatures}"
-               f" --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --seed {args.seed}")
+               f" --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --seed {args.seed}" +
+               (f" --trees '{args.trees}'" if args.tree_list else ""))
     config = {"verifier": str(vdir), "drafter": str(ddir), "sets": args.set_list,
               "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
               "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
-              "inprocess": not args.no_inprocess, "steered": has_steering(ddir)}
+              "inprocess": not args.no_inprocess, "steered": has_steering(ddir),
+              **({"trees": args.tree_list} if args.tree_list else {})}  # absent without trees: older reports resume
     prior = resumed(args, config)
     rows, earlier_s = prior.get("rows", []), float(prior.get("elapsed_s", 0.0))
     started = time.time()
