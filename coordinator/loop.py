@@ -300,6 +300,7 @@ class SessionLoop:
         self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
         self._block_span = None  # the span of the block asked for last (tracing on only)
         self.policy_state = ""  # the drafter policy's last reported state (JSON): a reopened drafter resumes it
+        self.tree = request.tree_shape() if request.tree else None  # parsed once: every block is cut and walked on it
 
     # -- helpers ----------------------------------------------------------------------------
     @property
@@ -610,20 +611,20 @@ class SessionLoop:
     def _block_room(self) -> int:
         """Draft tokens the next block may keep: room - 1 for a chain; for a tree, its nodes down to depth
         room - 1 (a breadth-first prefix: the cut the in-process engine makes near the budget)."""
-        if not self.req.tree or not self.use_drafter:
+        if self.tree is None or not self.use_drafter:
             return self.room - 1
         from steerspec.trees import cut_to_depth
 
-        return cut_to_depth(self.req.tree_shape(), self.room - 1).size
+        return cut_to_depth(self.tree, self.room - 1).size
 
     def _accepted_drafts(self, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> List[int]:
         """The block's drafts in commit order: a chain's own, a tree's along the accepted path."""
-        if not self.req.tree or not self.use_drafter:
+        if self.tree is None or not self.use_drafter:
             return list(block.draft_ids)
         from steerspec.trees import prefix
 
         try:
-            wire.check_path(prefix(self.req.tree_shape(), len(block.draft_ids)), list(result.path),
+            wire.check_path(prefix(self.tree, len(block.draft_ids)), list(result.path),
                             int(result.accepted), int(block.seq))
         except wire.ProtocolError as exc:
             raise SessionError(grpc.StatusCode.INTERNAL, f"verifier {self.verifier.address}: {exc.message}") from None

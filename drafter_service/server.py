@@ -149,18 +149,12 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         verification = _verification(msg.verification)
-        tree = wire.tree_from_proto(msg.tree)
-        if tree is not None and not FastCachedLM.supports(self.model):
-            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
-                                "which a draft tree needs: open the session without a tree")
+        tree = wire.tree_from_proto(msg.tree, verification.lossy, msg.policy)
         if tree is not None:
-            if verification.lossy:
-                raise wire.invalid("a draft tree is verified exactly: open the session with verification 'exact' "
-                                   "or without a tree")
-            if (msg.policy or "fixed").split(":")[0] != "fixed":
-                raise wire.invalid(f"a draft tree replaces the draft length: policy '{msg.policy}' does not apply; "
-                                   "send policy 'fixed' (or none)")
+            if not FastCachedLM.supports(self.model):
+                raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
+                                    "which a draft tree needs: open the session without a tree")
             k = tree.depth  # the tree's depth, cut near the budget and the context like a chain's k
         loaded = self._sprinter_head() if verification.lossy else None
         if loaded is not None:

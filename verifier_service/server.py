@@ -136,10 +136,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 "with --steering-head DIR or open the session with steering=false")
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
-        lossy, tree = _lossy(msg.verification), wire.tree_from_proto(msg.tree)
-        if lossy and tree is not None:
-            raise wire.invalid("a draft tree is verified exactly: open the session with verification 'exact' "
-                               "or without a tree")
+        lossy = _lossy(msg.verification)
+        tree = wire.tree_from_proto(msg.tree, lossy)
         session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, tree.size if tree else 0),
                                   pending=prompt_ids[-1], params=params, generator=generator,
                                   steering=bool(msg.steering), sprinter=lossy, tree=tree)

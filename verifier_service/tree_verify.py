@@ -14,7 +14,6 @@ from typing import Dict, List
 import grpc
 import torch
 
-from steerspec.models.graphed import GraphedLM
 from steerspec.models.kv import FastCachedLM
 from steerspec.rounds import DecodeConfig
 from steerspec.sampling import SparseDist
@@ -26,8 +25,9 @@ from verifier_service import fast_verify
 
 
 def check_session(lm) -> None:
-    """FAILED_PRECONDITION unless the session's cache can hold a tree (the host path's FastCachedLM)."""
-    if not isinstance(lm, FastCachedLM) or isinstance(lm, GraphedLM):
+    """FAILED_PRECONDITION unless the session's cache can hold a tree: a FastCachedLM (what
+    `fast_verify.session_lm` gives a tree session unless --kv-backend hf or the architecture rules it out)."""
+    if not isinstance(lm, FastCachedLM):
         raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                             "draft trees need the lean KV cache, which this replica's model or --kv-backend hf "
                             "does not give: start the verifier with --kv-backend auto or fast, or open the "
