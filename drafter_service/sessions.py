@@ -6,7 +6,8 @@ Greedy takes argmaxes; sampling
 draws from the wire distribution `draft_distribution(probs, draft_top_k)`, exactly
 what the verifier decodes, so speculative sampling stays exact across the network.
 Sessions that ask at the same time are drafted together (`Drafter.draft_many`,
-steerspec/drafting.py): one batched forward pass per draft step, each session as if alone.
+steerspec/drafting.py; draft trees by `tree_decoding.draft_trees`): one batched forward pass per draft
+step (per tree depth), each session as if alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from steerspec.drafting import DraftRow, draft_blocks
 from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sprinter.decoding import draft_run
 from steerspec.sampling import SamplingParams, SparseDist
-from steerspec.tree_decoding import cached_path, draft_tree
+from steerspec.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees
 from steerspec.trees import TreeShape, cut_to_depth, prefix
 from steerspec.wire import ProtocolError, invalid
 
@@ -206,28 +207,84 @@ class Drafter:
         out.kept, out.head_kept = kept, head_kept
         return out
 
+    def _tree_shape(self, session: DrafterSession, depth: int) -> TreeShape:
+        """The session's tree down to `depth` (the budget's cap) and within the context."""
+        return prefix(cut_to_depth(session.tree, depth), self.context - len(session.committed))
+
     def _draft_tree(self, session: DrafterSession, depth: int, config: DecodeConfig) -> DraftOutput:
-        """The session's tree down to `depth` (the budget's cap) and within the context, drafted by
-        `tree_decoding.draft_tree`; a node's q row is its parent's distribution (what the verifier tests)."""
-        shape = prefix(cut_to_depth(session.tree, depth), self.context - len(session.committed))
-        tokens, fed, q_at = draft_tree(session.lm, session.committed, shape, config, session.generator)
+        """The session's tree, drafted by `tree_decoding.draft_tree`."""
+        shape = self._tree_shape(session, depth)
+        out = self._tree_output(shape, draft_tree(session.lm, session.committed, shape, config, session.generator))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return out
+
+    @staticmethod
+    def _tree_output(shape: TreeShape, drafted, batch_size: int = 1) -> DraftOutput:
+        """A drafted tree as a block: its nodes breadth-first, each node's q row its parent's distribution
+        (what the verifier tests)."""
+        tokens, fed, q_at = drafted
         q = None
         if q_at and shape.size:
             rows = [q_at[parent] for parent in shape.parents]
             q = SparseDist(ids=torch.cat([r.ids for r in rows]), probs=torch.cat([r.probs for r in rows]),
                            floor=None if rows[0].floor is None else torch.cat([r.floor for r in rows]),
                            vocab=rows[0].vocab)
+        return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed, batch_size=batch_size)
+
+    def _draft_trees(self, sessions: Sequence[DrafterSession]) -> List[DraftOutput]:
+        """Every tree session's next block together (`tree_decoding.draft_trees`: one packed pass per
+        depth); each gets what `draft` gives it alone. Steered as `_row` steers a chain."""
+        start = time.perf_counter()
+        rows, shapes = [], []
+        try:
+            for session in sessions:
+                shape = self._tree_shape(session, self.block_length(session))
+                config = DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k)
+                row = TreeRow(session.lm, session.committed, shape, config, session.generator)
+                if self.hooks is not None and session.steering is not None:
+                    self._steer_first_feed(session, row)
+                rows.append(row)
+                shapes.append(shape)
+            drafted = draft_trees(rows)
+        finally:
+            for session in sessions:
+                session.lm.set_up_bias(None)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed)
+        outs = [self._tree_output(shape, d, len(sessions)) for shape, d in zip(shapes, drafted)]
+        for out in outs:
+            out.draft_ms = (time.perf_counter() - start) * 1e3
+        return outs
+
+    def _steer_first_feed(self, session: DrafterSession, row) -> None:
+        """A steered session in a batch: a feed longer than one token runs here alone through the hooks
+        (as `draft` runs it; the first block keeps the prompt's prefix unsteered), later passes carry the
+        session's bias as the cache's up_bias."""
+        lm = session.lm
+        if len(session.committed) - lm.length != 1:
+            self._steer(session)
+            try:
+                row.first_logits = lm.extend(session.committed[lm.length:], logits_to_keep=1).logits
+            finally:
+                self.hooks.clear()
+        lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
 
     @torch.inference_mode()
     def draft_many(self, sessions: Sequence[DrafterSession]) -> List[DraftOutput]:
         """Propose every session's next block together: one batched forward pass per draft step
         (steerspec.drafting.draft_blocks); each session gets what `draft` gives it alone."""
-        if len(sessions) == 1 or any(s.sprinter is not None or s.tree is not None for s in sessions) or \
+        if len(sessions) == 1 or any(s.sprinter is not None for s in sessions) or \
                 not can_batch([s.lm for s in sessions]):
             return [self.draft(session) for session in sessions]
+        trees = [s for s in sessions if s.tree is not None]
+        if trees and len(trees) < len(sessions):  # trees and chains: each kind batched on its own
+            chains = [s for s in sessions if s.tree is None]
+            got = dict(zip(map(id, trees), self.draft_many(trees)))
+            got.update(zip(map(id, chains), self.draft_many(chains)))
+            return [got[id(s)] for s in sessions]
+        if trees:
+            return self._draft_trees(sessions)
         start = time.perf_counter()
         try:
             blocks = draft_blocks([self._row(session) for session in sessions])
@@ -249,13 +306,10 @@ class Drafter:
         lm = session.lm
         lm.keep_last_hidden = bool(getattr(session.policy, "stops_early", False)
                                    and getattr(session.policy, "needs_hidden", False))
-        if k > 0 and len(session.committed) - lm.length != 1:
-            self._steer(session)
-            try:
-                row.first_logits = lm.extend(session.committed[lm.length:], logits_to_keep=1).logits
-            finally:
-                self.hooks.clear()
-        lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
+        if k > 0:
+            self._steer_first_feed(session, row)
+        else:
+            lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
         return row
 
     def apply_feedback(self, session: DrafterSession, accepted: int, next_token: int,

@@ -15,6 +15,7 @@ accounting as `engine.speculative_generate` (pending token, prefill, SD² steeri
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from steerspec.engine import DrafterSteering, RoundOut, RoundRecord, _check_prompt, run_rounds
 from steerspec.metrics import GenerationResult
+from steerspec.models.batched import packed_extend
 from steerspec.models.kv import FastCachedLM, as_cached
 from steerspec.rounds import DecodeConfig, make_generators
 from steerspec.speculative import DraftBlock
@@ -81,32 +83,78 @@ def dense(dist: SparseDist) -> Tensor:
     return dist.to_dense(dist.vocab)[0]
 
 
+@dataclass
+class TreeRow:
+    """One sequence's tree to draft in a batch (`draft_trees`): its drafter cache (holding a prefix of
+    `committed`, whose last token is pending), the tree, sampling and generator; `first_logits` are the
+    root's logits when the caller fed the committed tail itself (e.g. alone, through steering hooks)."""
+
+    lm: FastCachedLM
+    committed: Sequence[int]
+    shape: TreeShape
+    config: DecodeConfig = field(default_factory=DecodeConfig)
+    generator: Optional[torch.Generator] = None
+    first_logits: Optional[Tensor] = None
+    distinct: bool = True
+
+
+Drafted = Tuple[List[int], List[int], Dict[int, SparseDist]]
+
+
 def draft_tree(drafter: FastCachedLM, committed: Sequence[int], shape: TreeShape,
                config: Optional[DecodeConfig] = None, generator: Optional[torch.Generator] = None,
-               distinct: bool = True) -> Tuple[List[int], List[int], Dict[int, SparseDist]]:
+               distinct: bool = True) -> Drafted:
     """Fill the tree with the drafter's tokens after `committed` (its last token pending): ranked
     when greedy, sampled per parent otherwise (without replacement when `distinct`).
 
     Returns (token per node, nodes fed to the drafter in cache order after the committed tokens,
     the distribution [1, S] each parent's children were drawn from — empty when greedy); the drafter's
     cache then holds committed + the fed nodes."""
-    config = config if config is not None else DecodeConfig()
-    n = len(committed)
-    out = drafter.extend(committed[drafter.length:])
-    tokens = [0] * shape.size
-    q_at: Dict[int, SparseDist] = {}
-    _fill(shape, -1, out.logits[-1], tokens, q_at, config, generator, distinct)
-    fed: List[int] = []
-    for depth in range(1, shape.depth):
-        level = [i for i in shape.at_depth(depth) if shape.children(i)]
-        among = ancestor_mask(shape, level, fed + level, with_root=False)
-        visible = torch.cat([torch.ones(len(level), n, dtype=torch.bool), among], dim=1)
-        positions = torch.full((len(level),), n - 1 + depth, dtype=torch.long)
-        out = drafter.extend_tree([tokens[i] for i in level], positions, visible)
-        fed.extend(level)
-        for row, node in enumerate(level):
-            _fill(shape, node, out.logits[row], tokens, q_at, config, generator, distinct)
-    return tokens, fed, q_at
+    row = TreeRow(drafter, committed, shape, config if config is not None else DecodeConfig(), generator,
+                  distinct=distinct)
+    return draft_trees([row])[0]
+
+
+def draft_trees(rows: Sequence[TreeRow]) -> List[Drafted]:
+    """`draft_tree` for several sequences at once: one packed pass over every row's committed tail, then
+    one per depth over every row's nodes there (each row with its own positions and ancestor mask;
+    `models.batched.packed_extend`), each row drawing from its own generator in `draft_tree`'s order, so
+    each gets what it would alone (to float rounding of the shared pass)."""
+    feed = [i for i, row in enumerate(rows) if row.first_logits is None]
+    roots: Dict[int, Tensor] = {}
+    if feed:
+        outs = packed_extend([rows[i].lm for i in feed], [list(rows[i].committed[rows[i].lm.length:]) for i in feed])
+        roots = {i: out.logits[-1] for i, out in zip(feed, outs)}
+    drafted: List[Drafted] = []
+    for i, row in enumerate(rows):
+        tokens, q_at = [0] * row.shape.size, {}
+        root = roots[i] if i in roots else row.first_logits[-1]
+        _fill(row.shape, -1, root, tokens, q_at, row.config, row.generator, row.distinct)
+        drafted.append((tokens, [], q_at))
+    for depth in range(1, max((row.shape.depth for row in rows), default=0)):
+        active, levels, feeds, masks = [], [], [], []
+        for i, row in enumerate(rows):
+            level = [node for node in row.shape.at_depth(depth) if row.shape.children(node)]
+            if not level:
+                continue
+            tokens, fed, _ = drafted[i]
+            n = len(row.committed)
+            among = ancestor_mask(row.shape, level, fed + level, with_root=False)
+            visible = torch.cat([torch.ones(len(level), n, dtype=torch.bool), among], dim=1)
+            positions = torch.full((len(level),), n - 1 + depth, dtype=torch.long)
+            active.append(i)
+            levels.append(level)
+            feeds.append([tokens[node] for node in level])
+            masks.append((positions, visible))
+        if not active:
+            break
+        outs = packed_extend([rows[i].lm for i in active], feeds, None, masks)
+        for i, level, out in zip(active, levels, outs):
+            row, (tokens, fed, q_at) = rows[i], drafted[i]
+            fed.extend(level)
+            for r, node in enumerate(level):
+                _fill(row.shape, node, out.logits[r], tokens, q_at, row.config, row.generator, row.distinct)
+    return drafted
 
 
 def verify_tree(verifier: FastCachedLM, pending: int, tokens: Sequence[int], shape: TreeShape,

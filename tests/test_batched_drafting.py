@@ -26,6 +26,7 @@ from steerspec.policies.fixed import FixedK
 from steerspec.sampling import SamplingParams
 from steerspec.speculative import DraftBlock
 from steerspec.steering import DrafterSteering, attach_steering
+from steerspec.trees import parse_tree
 
 LOGIT_TOL = dict(atol=1e-5, rtol=1e-5)
 Q_TOL = dict(atol=1e-5, rtol=1e-3)  # fp32 noise, or one fp16 ulp where it crossed a rounding boundary
@@ -328,3 +329,57 @@ def test_serve_drafter_flag_sets_the_batch_window():
     assert parser.parse_args(["--draft-batch-window-ms", "2.5"]).draft_batch_window_ms == 2.5
     with pytest.raises(UsageError, match="--draft-batch-window-ms"):
         cli.run(parser.parse_args(["--draft-batch-window-ms", "-1"]))
+
+
+def _open_trees(drafter: Drafter, model, vectors, specs) -> list:
+    """Tree sessions (greedy and sampled, some steered) over the tiny drafter, one per spec."""
+    table = DrafterSessionTable(model, 16)
+    params = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.8, 20, 0.9), SamplingParams(1.0)]
+    prompts = _prompts(model.config.vocab_size, [6, 1, 11, 4], seed=5)
+    sessions = []
+    for i, (p, prompt, g, spec) in enumerate(zip(params, prompts, vectors, specs)):
+        sessions.append(table.open(f"t{i}", committed=list(prompt), open_length=len(prompt), params=p,
+                                   generator=torch.Generator().manual_seed(70 + i), k=4, draft_top_k=32,
+                                   policy=FixedK(4), max_new_tokens=0, steering=g, tree=parse_tree(spec)))
+    return sessions
+
+
+def test_draft_many_batches_tree_sessions_as_if_alone(drafter_model):
+    """Tree sessions drafted together (one packed pass per depth) == each drafted alone: the same nodes,
+    q rows and cache slots over blocks with accepted paths of every length, per-session SD² vectors
+    (some none, the first block's prompt prefix unsteered) and a chain session in the same batch."""
+    drafter, hooks = _steered_drafter(drafter_model)
+    try:
+        gen = torch.Generator().manual_seed(21)
+        vectors = [torch.randn(48, generator=gen), None, torch.randn(48, generator=gen), None]
+        specs = ["0,1,2,00,10", "0,1,00,000", "0,00,01,000", "0,1,2,3,00"]
+        batched, alone = (_open_trees(drafter, drafter_model, vectors, specs) for _ in range(2))
+        chain, chain_alone = (_open_all(drafter, drafter_model, vectors[:1])[0] for _ in range(2))
+        vocab = drafter_model.config.vocab_size
+        for b in range(5):
+            got = drafter.draft_many(batched + [chain])
+            want = [drafter.draft(s) for s in alone + [chain_alone]]
+            assert not hooks.active and all(s.lm.up_bias is None for s in batched + [chain])
+            assert [g.batch_size for g in got] == [len(batched)] * len(batched) + [1]
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g.draft_ids == w.draft_ids and g.fed == w.fed, (b, i)
+                if w.q is not None:
+                    assert torch.equal(g.q.ids, w.q.ids)
+                    torch.testing.assert_close(g.q.probs, w.q.probs, **Q_TOL)
+            for i, out in enumerate(want[:-1]):
+                shape = batched[i].tree
+                leaves = [n for n in range(shape.size) if not shape.children(n)]
+                end = (leaves[(b + i) % len(leaves)], None)[(b + i) % 2]  # a root-to-leaf path, or none
+                path = [] if end is None else shape.ancestors(end) + [end]
+                token = (13 * b + 3 * i) % (vocab - 1) + 1
+                for s in (batched[i], alone[i]):
+                    s.proposal = Proposal(seq=b + 1, committed_length=len(s.committed), draft_ids=out.draft_ids,
+                                          fed=out.fed)
+                    drafter.apply_feedback(s, len(path), token, vectors[(i + b) % 4], path=path)
+            for s, out in ((chain, want[-1]), (chain_alone, want[-1])):
+                s.proposal = Proposal(seq=b + 1, committed_length=len(s.committed), draft_ids=out.draft_ids)
+                drafter.apply_feedback(s, 1, 5, None)
+        assert [s.lm.length for s in batched] == [s.lm.length for s in alone]
+        assert [s.committed for s in batched] == [s.committed for s in alone]
+    finally:
+        hooks.remove()
