@@ -6,6 +6,7 @@
   forward is per row; with the batched forward: equal tokens and ids, probs to fp32 noise that
   the fp16 wire rounding may turn into one fp16 ulp).
 - `Drafter.draft_many` keeps each session's SD² steering bias (or none) while batched.
+- Tree sessions batched (`tree_decoding.draft_trees`) draft what each drafts alone, beside a chain session.
 """
 
 from __future__ import annotations
