@@ -137,7 +137,7 @@ class SessionRequest:
     policy: str = "fixed"
     steering: bool = False
     session_id: str = ""
-    verification: str = "exact"  # or "sprinter[:...]" (lossy; the coordinator admits it only with --allow-lossy)
+    verification: str = "exact"  # "block" (exact), or "sprinter[:...]" (lossy; admitted only with --allow-lossy)
     tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/trees.py)
 
     @property
@@ -209,8 +209,9 @@ class SessionRequest:
             raise _invalid(f"tree: {exc}") from None
         if self.mode != "speculative":
             raise _invalid("a draft tree needs mode 'speculative'")
-        if self.verification_spec().lossy:
-            raise _invalid("a draft tree is verified exactly: send verification 'exact' or no tree")
+        if self.verification_spec().mode != "exact":
+            raise _invalid(f"a draft tree is verified by recursive rejection sampling, not "
+                           f"'{self.verification_spec().mode}': send verification 'exact' or no tree")
         if (self.policy or "fixed").split(":")[0] != "fixed":
             raise _invalid(f"a draft tree replaces the draft length: policy '{self.policy}' does not apply; send "
                            "policy 'fixed' (or none)")

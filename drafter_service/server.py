@@ -149,7 +149,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         verification = _verification(msg.verification)
-        tree = wire.tree_from_proto(msg.tree, verification.lossy, msg.policy)
+        tree = wire.tree_from_proto(msg.tree, verification.mode, msg.policy)
         if tree is not None:
             if not FastCachedLM.supports(self.model):
                 raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -114,7 +114,7 @@ def verify_block(
     Returns the outcome and, when `hidden_layers` is given, the hidden states [L, D] at the
     position whose logits produced the new pending token (for the next steering vector).
     """
-    if fastpath.applies(verifier):  # acceptance on the device, one host copy per block (CUDA)
+    if fastpath.applies(verifier) and config.acceptance == "token":  # on the device, one host copy per block (CUDA)
         return fastpath.verify_block(verifier, pending, block, config, generator, hidden_layers)
     start = verifier.length
     device = verifier.device
@@ -122,7 +122,8 @@ def verify_block(
     feed = torch.cat([torch.tensor([pending], dtype=torch.long, device=device), drafts])
     out = verifier.extend(feed, hidden_layers)
     q = None if block.q is None or config.greedy else block.q.map(lambda t: t[0].to(device))
-    outcome = verifying.accept([VerifyRow(out.logits, drafts, q, config.sampling, generator)])  # a batch of one
+    outcome = verifying.accept([VerifyRow(out.logits, drafts, q, config.sampling, generator,
+                                          config.acceptance)])  # a batch of one
     accepted = int(outcome.accepted[0])
     verifier.rollback(start + 1 + accepted)
     hidden = out.hidden[:, accepted] if hidden_layers else None

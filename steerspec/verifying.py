@@ -2,8 +2,8 @@
 
 The in-process engine (`engine.verify_block`, a batch of one) and the verifier service's batcher
 (verifier_service/batcher.py, one row per session in the batch) both call `accept`. Greedy rows
-compare argmaxes in one `greedy_verify`; sampling rows go through ONE `rejection_sample` call with
-one generator per row, each row drawing exactly what it would draw alone (k uniforms, then one
+compare argmaxes in one `greedy_verify`; sampling rows go through ONE `rejection_sample` call (ONE
+`block_verify` call for those of sessions that asked for block verification) with one generator per row, each row drawing exactly what it would draw alone (k uniforms, then one
 token), so a seeded session's output never depends on who shared its batch.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from steerspec.sampling import SamplingParams, SparseDist, probs_from_logits
+from steerspec.block_verify import block_verify
 from steerspec.speculative import DraftBlock, VerifyOutcome, greedy_verify, rejection_sample
 
 
@@ -28,6 +29,7 @@ class VerifyRow:
     q: Optional[SparseDist]  # the drafter's distribution, ids/probs [k, S] (None: greedy drafts)
     sampling: SamplingParams
     generator: Optional[torch.Generator] = None
+    acceptance: str = "token"  # sampled rows: "token" (speculative sampling) or "block" (block verification)
 
 
 def _pad_q(q: Optional[SparseDist], k: int, width: int, support: int, vocab: int, dtype) -> SparseDist:
@@ -78,7 +80,8 @@ def _sampled(rows: Sequence[VerifyRow]) -> VerifyOutcome:
                 q = SparseDist(ids=q.ids, probs=q.probs, floor=None, vocab=vocab)
     block = DraftBlock(tokens=tokens, lengths=torch.tensor(ks, device=device), q=q)
     generators = rows[0].generator if len(rows) == 1 else [r.generator for r in rows]
-    return rejection_sample(target, block, generators)
+    rule = block_verify if rows[0].acceptance == "block" else rejection_sample
+    return rule(target, block, generators)
 
 
 def accept(rows: Sequence[VerifyRow]) -> VerifyOutcome:
@@ -87,8 +90,8 @@ def accept(rows: Sequence[VerifyRow]) -> VerifyOutcome:
     accepted = [0] * batch
     next_tokens = [0] * batch
     is_bonus = [False] * batch
-    for greedy in (True, False):
-        members = [i for i, r in enumerate(rows) if r.sampling.greedy == greedy]
+    for greedy, rule in ((True, None), (False, "token"), (False, "block")):
+        members = [i for i, r in enumerate(rows) if r.sampling.greedy == greedy and (greedy or r.acceptance == rule)]
         if not members:
             continue
         if greedy:

@@ -124,6 +124,38 @@ async def test_same_tokens_as_the_in_process_engine(cluster, tiny_pair, temperat
     assert got.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("temperature, seed", [(1.0, 3), (0.8, 11), (0.0, 2)])
+async def test_block_verification_through_the_services_equals_the_in_process_engine(cluster, tiny_pair,
+                                                                                     temperature, seed):
+    """verification 'block': the verifier service accepts by block verification, token for token what the
+    engine does with DecodeConfig(acceptance='block'), and not what token-wise acceptance gives for the seed."""
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.policies import FixedK
+    from steerspec.sampling import SamplingParams
+    from coord_helpers import load_cached
+
+    verifier, drafter = (load_cached(d) for d in tiny_pair)
+    config = DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature, 0, 1.0), draft_top_k=16,
+                          seed=seed, eos_token_ids=(), max_length=256, acceptance="block")
+    want = speculative_generate(verifier, drafter, PROMPT, config, FixedK(6))
+    got = await cluster.generate(PROMPT, max_new_tokens=24, temperature=temperature, seed=seed, k=6, draft_top_k=16,
+                                 verification="block")
+    assert got.token_ids == want.token_ids and got.rounds == want.rounds and got.verification == "block"
+    token_wise = await cluster.generate(PROMPT, max_new_tokens=24, temperature=temperature, seed=seed, k=6,
+                                        draft_top_k=16)
+    if temperature > 0:
+        assert token_wise.token_ids != got.token_ids
+    else:  # greedy rows accept the leading matches either way
+        assert token_wise.token_ids == got.token_ids
+
+
+async def test_block_verification_refuses_a_tree(cluster):
+    from coordinator.streams import SessionError
+
+    with pytest.raises((SessionError, UsageError, ValueError, grpc.RpcError), match="recursive rejection sampling"):
+        await cluster.generate(PROMPT, max_new_tokens=8, temperature=1.0, verification="block", tree="0,1,00")
+
+
 async def test_sampling_block_up_is_under_4kb(cluster):
     """T=1, k=8, draft_top_k=64: ids + fp16 probs of the sparse q, at most 4 KB per block."""
     result = await cluster.generate(PROMPT, max_new_tokens=24, temperature=1.0, seed=1, k=8, draft_top_k=64)

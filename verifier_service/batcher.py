@@ -125,7 +125,8 @@ class VerifyRunner:
             from verifier_service import sprinter_verify
 
             return sprinter_verify.run_mixed(self, jobs)
-        if fast_verify.applies([job.session.lm for job in jobs]):  # one host copy per batch (CUDA)
+        if fast_verify.applies([job.session.lm for job in jobs]) and \
+                all(job.session.acceptance == "token" for job in jobs):  # one host copy per batch (CUDA)
             return fast_verify.run(self, jobs)
         start = time.perf_counter()
         batch = len(jobs)
@@ -226,7 +227,7 @@ class VerifyRunner:
             device = logits[i].device
             rows.append(VerifyRow(logits[i], torch.from_numpy(job.block.draft_ids).to(device),
                                   None if q is None else q.map(lambda t: t.to(device)),
-                                  job.session.params, job.session.generator))
+                                  job.session.params, job.session.generator, job.session.acceptance))
         outcome = verifying.accept(rows)
         return outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()
 

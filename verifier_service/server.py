@@ -136,11 +136,12 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 "with --steering-head DIR or open the session with steering=false")
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
-        lossy = _lossy(msg.verification)
-        tree = wire.tree_from_proto(msg.tree, lossy)
+        verification = _verification(msg.verification)
+        tree = wire.tree_from_proto(msg.tree, verification.mode)
         session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, tree.size if tree else 0),
                                   pending=prompt_ids[-1], params=params, generator=generator,
-                                  steering=bool(msg.steering), sprinter=lossy, tree=tree)
+                                  steering=bool(msg.steering), sprinter=verification.lossy, tree=tree,
+                                  acceptance="block" if verification.mode == "block" else "token")
         start = time.perf_counter()
         try:
             if tree is not None:
@@ -241,12 +242,12 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                       k=block.k, accepted=result.accepted, batch_size=result.batch_size)
 
 
-def _lossy(spec: str) -> bool:
-    """VerifyOpen.verification: True for SPRINTER, False for exact; INVALID_ARGUMENT for a bad spec."""
+def _verification(spec: str):
+    """VerifyOpen.verification parsed (exact, block or SPRINTER); INVALID_ARGUMENT for a bad spec."""
     from steerspec.sprinter.spec import VerificationError, parse_verification
 
     try:
-        return parse_verification(spec).lossy
+        return parse_verification(spec)
     except VerificationError as exc:
         raise wire.invalid(f"verification: {exc}") from None
 

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=None, metavar="SPEC",
                         help="also run a draft tree (rank paths such as 0,1,2,00,10, or 'default') through the same "
                              "services at every RTT: a third row beside the chain of k")
+    parser.add_argument("--block", action="store_true",
+                        help="also run the chain of k with block verification (verification 'block') through the "
+                             "same services at every RTT: a row beside the token-wise chain")
     parser.add_argument("--draft-top-k", type=int, default=64, help="support of the sparse draft distribution")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -252,11 +255,11 @@ class RayCluster:
     async def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
                        mode: str = "speculative", steering: bool = False, timeout: Optional[float] = None,
-                       tree: str = "") -> RunRecord:
+                       tree: str = "", verification: str = "exact") -> RunRecord:
         s = await self.client.acomplete(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k,
                                         draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout,
-                                        tree=tree)
+                                        tree=tree, verification=verification)
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
                          wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
 
@@ -272,13 +275,13 @@ def _verifier_options(args) -> Dict[str, Any]:
     return options
 
 
-async def _sequential(cluster, prompts, args, mode: str, tree: str = "") -> List[Any]:
+async def _sequential(cluster, prompts, args, mode: str, tree: str = "", verification: str = "exact") -> List[Any]:
     results = []
     for i, prompt in enumerate(prompts):
         results.append(await cluster.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
-            steering=cluster.steering and mode == "speculative", timeout=600, tree=tree))
+            steering=cluster.steering and mode == "speculative", timeout=600, tree=tree, verification=verification))
     return results
 
 
@@ -349,6 +352,12 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
         row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
         row["speedup"] = (round(sd["tokens_per_s"] / ar["tokens_per_s"], 3)
                           if sd.get("tokens_per_s") and ar.get("tokens_per_s") else None)
+        if getattr(args, "block", False):
+            bl = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative",
+                                                  verification="block"))
+            row["block"] = bl
+            row["block_speedup"] = (round(bl["tokens_per_s"] / ar["tokens_per_s"], 3)
+                                    if bl.get("tokens_per_s") and ar.get("tokens_per_s") else None)
         if args.tree:
             tr = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative", args.tree))
             row["tree"] = tr
@@ -430,13 +439,14 @@ def print_report(report: Dict[str, Any]) -> None:
         table.add_column(name, justify=justify)
     engine = report.get("engine")
     for row in report["rows"]:
-        for mode in ("autoregressive", "speculative", "tree"):
+        for mode in ("autoregressive", "speculative", "block", "tree"):
             if mode not in row:
                 continue
             m = row[mode]
             st = m.get("stage_ms", {})
-            speedup = {"autoregressive": 1.0, "speculative": row["speedup"], "tree": row.get("tree_speedup")}[mode]
-            label = f"tree {cfg['tree']}" if mode == "tree" else mode
+            speedup = {"autoregressive": 1.0, "speculative": row["speedup"], "block": row.get("block_speedup"),
+                       "tree": row.get("tree_speedup")}[mode]
+            label = {"tree": f"tree {cfg.get('tree')}", "block": "speculative, block verify"}.get(mode, mode)
             table.add_row(f"{row['rtt_ms']:g}", label, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
                           _f(speedup, 2),
                           _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),
@@ -580,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
                    "top_p": args.top_p, "concurrency": args.concurrency_list,
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"],
-                   "kv_backend": args.kv_backend, "tree": args.tree},
+                   "kv_backend": args.kv_backend, "tree": args.tree, "block": bool(getattr(args, "block", False))},
         "machine": {**host_info(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -108,8 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
     """--verification and --sprinter-head (shared with benchmarks)."""
     parser.add_argument("--verification", default="exact", metavar="SPEC",
-                        help="exact (default, lossless) or sprinter[:threshold=T,max_run=N]: LOSSY, tokens the "
-                             "drafter-side classifier keeps are committed without the verifier")
+                        help="exact (default, lossless), block (lossless: block verification of chains, never "
+                             "fewer accepted tokens on average than exact's token-wise test; no trees) or "
+                             "sprinter[:threshold=T,max_run=N]: LOSSY, tokens the drafter-side classifier keeps are "
+                             "committed without the verifier")
     parser.add_argument("--sprinter-head", default=None, metavar="DIR",
                         help="SPRINTER classifier head directory (default: DRAFTER/sprinter)")
 
@@ -190,8 +192,10 @@ def decode_config(args: argparse.Namespace, params: SamplingParams, verifier, dr
     limit = context_length(verifier)
     if drafter is not None:
         limit = min(limit, context_length(drafter))
+    block = str(getattr(args, "verification", None) or "exact").strip().lower() == "block"
     return DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, draft_top_k=args.draft_top_k,
-                        seed=args.seed, eos_token_ids=eos_token_ids(verifier, tokenizer), max_length=limit)
+                        seed=args.seed, eos_token_ids=eos_token_ids(verifier, tokenizer), max_length=limit,
+                        acceptance="block" if block else "token")
 
 
 def _grpc_runner():
@@ -208,7 +212,8 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
     verification = parse_verification_arg(args)
-    tree = tree_from_args(args, verification.lossy) or default_tree(args, verification.lossy)
+    chains_only = verification.mode != "exact"  # sprinter and block verification judge chains
+    tree = tree_from_args(args, chains_only) or default_tree(args, chains_only)
     policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
@@ -261,7 +266,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     return result, tokenizer
 
 
-def tree_from_args(args: argparse.Namespace, lossy: bool):
+def tree_from_args(args: argparse.Namespace, chains_only: bool):
     """The --tree draft tree, or None; refused in one line where it cannot run (it is exact and
     replaces the draft-length policy)."""
     spec = getattr(args, "tree", None)
@@ -273,7 +278,7 @@ def tree_from_args(args: argparse.Namespace, lossy: bool):
         shape = parse_tree(spec)
     except ValueError as exc:
         raise UsageError(f"--tree: {exc}") from None
-    if getattr(args, "mode", "speculative") != "speculative" or lossy:
+    if getattr(args, "mode", "speculative") != "speculative" or chains_only:
         raise UsageError("--tree needs --mode speculative and --verification exact")
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
         raise UsageError("--tree replaces the draft length: drop --policy and --k")
@@ -281,13 +286,13 @@ def tree_from_args(args: argparse.Namespace, lossy: bool):
     return shape
 
 
-def default_tree(args: argparse.Namespace, lossy: bool):
+def default_tree(args: argparse.Namespace, chains_only: bool):
     """The default draft tree, when `steerspec run` is given no --tree, --policy or --k: on the real pair it
     is faster than every draft-length policy measured, in process and through the services
-    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive or lossy runs, a
+    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive, lossy or block-verified runs, a
     GPU (trees are not measured there yet), architectures without the lean KV cache trees need, and a
     remote --coordinator (its replicas' devices and models are not known here)."""
-    if getattr(args, "policy", None) or getattr(args, "k", None) is not None or lossy or \
+    if getattr(args, "policy", None) or getattr(args, "k", None) is not None or chains_only or \
             getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu" \
             or getattr(args, "coordinator", None):
         return None

@@ -1,11 +1,12 @@
-"""The `--verification` grammar: `exact` (default, lossless) or `sprinter[:threshold=T,max_run=N]`."""
+"""The `--verification` grammar: `exact` (default, lossless; token-wise acceptance), `block` (lossless; block
+verification of chains, steerspec/block_verify.py) or `sprinter[:threshold=T,max_run=N]` (lossy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-EXACT, SPRINTER = "exact", "sprinter"
+EXACT, BLOCK, SPRINTER = "exact", "block", "sprinter"
 DEFAULT_MAX_RUN = 16
 
 
@@ -27,8 +28,8 @@ class Verification:
 
     def spec(self) -> str:
         """The canonical spec string (round-trips through parse_verification)."""
-        if self.mode == EXACT:
-            return EXACT
+        if self.mode in (EXACT, BLOCK):
+            return self.mode
         parts = [f"max_run={self.max_run}"]
         if self.threshold is not None:
             parts.insert(0, f"threshold={self.threshold:g}")
@@ -40,12 +41,12 @@ def parse_verification(spec: Optional[str]) -> Verification:
     spec = (spec or EXACT).strip()
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
-    if name == EXACT:
+    if name in (EXACT, BLOCK):
         if rest.strip():
-            raise VerificationError(f"verification 'exact' takes no parameters, got {spec!r}")
-        return Verification()
+            raise VerificationError(f"verification {name!r} takes no parameters, got {spec!r}")
+        return Verification(name)
     if name != SPRINTER:
-        raise VerificationError(f"unknown verification {name!r}; expected 'exact' or "
+        raise VerificationError(f"unknown verification {name!r}; expected 'exact', 'block' or "
                                 f"'sprinter[:threshold=T,max_run=N]'")
     threshold: Optional[float] = None
     max_run = DEFAULT_MAX_RUN
