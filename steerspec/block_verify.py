@@ -86,3 +86,21 @@ def block_verify(target_probs: Tensor, block: DraftBlock, generator: Generators 
     empty = r.sum(-1, keepdim=True) <= 0
     dist = torch.where(is_bonus.unsqueeze(-1) | empty, p_next, r)
     return VerifyOutcome(accepted=accepted, next_tokens=sample(dist, generator), is_bonus=is_bonus)
+
+
+def expected_accepted(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, Tensor]:
+    """E[accepted drafts] per row given its drafts, under token-wise acceptance (the sum over i of
+    prod_{j <= i} min(1, p_j / q_j)) and under block verification (the sum over i of P(a >= i)): a paired,
+    noise-free comparison of the two rules on the same blocks (scripts/bench_block_verify.py)."""
+    width = block.tokens.shape[1]
+    if width == 0:
+        zero = torch.zeros(block.tokens.shape[0], dtype=target_probs.dtype, device=target_probs.device)
+        return zero, zero.clone()
+    p_draft, q_draft, _ = _draft_rows(target_probs, block)
+    valid = torch.arange(width, device=target_probs.device).unsqueeze(0) < block.lengths.unsqueeze(1)
+    ratio = torch.where(valid & (q_draft > 0), (p_draft / q_draft.clamp(min=1e-30)).clamp(max=1.0),
+                        torch.zeros_like(p_draft))
+    token_wise = ratio.cumprod(-1).sum(-1)
+    h = block_weights(target_probs, block)[0]
+    none_after = torch.flip(torch.cumprod(torch.flip(1 - h, [1]), 1), [1])  # P(no prefix >= i kept), i = 1..K
+    return token_wise, (1 - none_after).sum(-1)

@@ -181,3 +181,17 @@ def test_steerspec_run_refuses_block_verification_with_a_tree(capsys):
 
     code = main(["run", "x", "--verification", "block", "--tree", "0,1"])
     assert code == 2 and "--tree needs --mode speculative and --verification exact" in capsys.readouterr().err
+
+
+def test_expected_accepted_matches_the_rules_laws():
+    """`expected_accepted` = the mean accepted count of each rule's exact law on the same blocks."""
+    from steerspec.block_verify import expected_accepted
+
+    tables = Tables(9)
+    drafts, chance, p, block = _block(tables, (0, 1), 3)
+    token_wise, block_rule = expected_accepted(p, block)
+    laws = _outcomes(*block_weights(p, block), p, 3)
+    for b, law in enumerate(laws):
+        assert float(block_rule[b]) == pytest.approx(sum(a * pr for (a, _), pr in law.items()), abs=1e-9)
+    assert torch.allclose(token_wise, _token_wise_expected(p, block))
+    assert float((chance * block_rule).sum()) >= float((chance * token_wise).sum())
