@@ -3,7 +3,8 @@
 The in-process engine (`engine.verify_block`, a batch of one) and the verifier service's batcher
 (verifier_service/batcher.py, one row per session in the batch) both call `accept`. Greedy rows
 compare argmaxes in one `greedy_verify`; sampling rows go through ONE `rejection_sample` call (ONE
-`block_verify` call for those of sessions that asked for block verification) with one generator per row, each row drawing exactly what it would draw alone (k uniforms, then one
+`block_verify` call for those of sessions that asked for block verification) with one generator per
+row, each row drawing exactly what it would draw alone (k uniforms, then one
 token), so a seeded session's output never depends on who shared its batch.
 """
 
@@ -90,6 +91,9 @@ def accept(rows: Sequence[VerifyRow]) -> VerifyOutcome:
     accepted = [0] * batch
     next_tokens = [0] * batch
     is_bonus = [False] * batch
+    unknown = {r.acceptance for r in rows} - {"token", "block"}
+    if unknown:
+        raise ValueError(f"unknown acceptance rule(s) {sorted(unknown)}: use 'token' or 'block'")
     for greedy, rule in ((True, None), (False, "token"), (False, "block")):
         members = [i for i, r in enumerate(rows) if r.sampling.greedy == greedy and (greedy or r.acceptance == rule)]
         if not members:

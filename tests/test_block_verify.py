@@ -195,3 +195,28 @@ def test_expected_accepted_matches_the_rules_laws():
         assert float(block_rule[b]) == pytest.approx(sum(a * pr for (a, _), pr in law.items()), abs=1e-9)
     assert torch.allclose(token_wise, _token_wise_expected(p, block))
     assert float((chance * block_rule).sum()) >= float((chance * token_wise).sum())
+
+
+def test_a_mixed_batch_accepts_each_row_by_its_own_rule():
+    """`verifying.accept` over token-wise, block and greedy rows together: each row's outcome is what it
+    gets alone (its own generator), and an unknown rule is refused."""
+    from steerspec.sampling import SamplingParams
+    from steerspec.verifying import VerifyRow, accept
+
+    g = torch.Generator().manual_seed(8)
+    rows = []
+    for i, (rule, temp) in enumerate([("token", 1.0), ("block", 1.0), ("block", 0.0), ("token", 0.8), ("block", 0.9)]):
+        k = 3 + i % 2
+        q = torch.softmax(torch.randn(k, 12, generator=g), -1)
+        tokens = torch.multinomial(q, 1, generator=g).view(-1)
+        dist = SparseDist(ids=torch.arange(12).expand(k, 12), probs=q, floor=None, vocab=12)
+        rows.append(lambda seed, rule=rule, temp=temp, k=k, logits=torch.randn(k + 1, 12, generator=g), tokens=tokens,
+                    dist=dist: VerifyRow(logits, tokens, dist if temp > 0 else None, SamplingParams(temp),
+                                         torch.Generator().manual_seed(seed), rule))
+    together = accept([make(30 + i) for i, make in enumerate(rows)])
+    for i, make in enumerate(rows):
+        alone = accept([make(30 + i)])
+        assert int(together.accepted[i]) == int(alone.accepted[0])
+        assert int(together.next_tokens[i]) == int(alone.next_tokens[0])
+    with pytest.raises(ValueError, match="unknown acceptance"):
+        accept([VerifyRow(torch.randn(2, 12), torch.tensor([1]), None, SamplingParams(1.0), None, "blok")])
