@@ -157,6 +157,21 @@ def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     assert on_ray["stage_ms"]["network"] >= 9.0
 
 
+def test_steerspec_run_block_verification_on_ray_equals_in_process(ray_cluster, capsys):
+    """`steerspec run --deployment ray --verification block`: the verifier actor accepts by block verification,
+    token for token what the in-process engine does with the same seed."""
+    from steerspec.cli import main
+
+    argv = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "16",
+            "--temperature", "1", "--seed", "4", "--k", "6", "--threads", "1", "--json", "--verification", "block"]
+    assert main([*argv, "--transport", "grpc", "--deployment", "ray"]) == 0
+    on_ray = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*argv, "--transport", "inproc"]) == 0
+    in_process = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert on_ray["deployment"] == "ray" and on_ray["verification"] == "block" and on_ray["lossy"] is False
+    assert on_ray["token_ids"] == in_process["token_ids"] and len(on_ray["token_ids"]) == 16
+
+
 def test_ray_app_refuses_a_missing_sprinter_head_before_ray(tmp_path, capsys):
     from coordinator.ray_app import main
 
