@@ -20,12 +20,13 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from steerspec.sampling import Generators, _row_generators, sample, uniform
-from steerspec.speculative import DraftBlock, VerifyOutcome
+from steerspec.sampling import Generators, sample
+from steerspec.speculative import DraftBlock, VerifyOutcome, draft_uniforms
 
 
-def _draft_rows(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, Tensor, Tensor]:
-    """(p(x_i) [B, K], q(x_i) [B, K], dense q rows [B, K, V]) of a block (one-hot q for greedy drafts)."""
+def _ratios(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, Tensor]:
+    """(p(x_i) / q(x_i) [B, K], 0 past a row's length or where q(x_i) = 0; dense q rows [B, K, V]) of a block
+    (one-hot q for greedy drafts)."""
     width = block.tokens.shape[1]
     vocab = target_probs.shape[-1]
     tokens = block.tokens.clamp(0, vocab - 1)
@@ -35,16 +36,22 @@ def _draft_rows(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, Tensor
     else:
         q_dense = block.q.to_dense(vocab).to(target_probs.dtype)
     q_draft = q_dense.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return p_draft, q_draft, q_dense
+    valid = torch.arange(width, device=target_probs.device).unsqueeze(0) < block.lengths.unsqueeze(1)
+    ratio = torch.where(valid & (q_draft > 0), p_draft / q_draft.clamp(min=1e-30), torch.zeros_like(p_draft))
+    return ratio, q_dense
 
 
 def block_weights(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, Tensor, Tensor]:
     """The rule's quantities for every prefix: (h [B, K]: the chance to keep prefix i = 1..K, zero past a
     row's length; w [B, K + 1]: the weights w_0..w_K; residuals [B, K, V]: r_0..r_{K-1}, unnormalised)."""
+    return _weights(target_probs, block, *_ratios(target_probs, block))
+
+
+def _weights(target_probs: Tensor, block: DraftBlock, ratio: Tensor,
+             q_dense: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """`block_weights` from the block's ratios and dense q rows (`_ratios`)."""
     batch, width = block.tokens.shape
-    p_draft, q_draft, q_dense = _draft_rows(target_probs, block)
     valid = torch.arange(width, device=target_probs.device).unsqueeze(0) < block.lengths.unsqueeze(1)
-    ratio = torch.where(valid & (q_draft > 0), p_draft / q_draft.clamp(min=1e-30), torch.zeros_like(p_draft))
     w = torch.ones(batch, width + 1, dtype=target_probs.dtype, device=target_probs.device)
     for i in range(width):
         w[:, i + 1] = (w[:, i] * ratio[:, i]).clamp(max=1.0)
@@ -66,12 +73,7 @@ def block_verify(target_probs: Tensor, block: DraftBlock, generator: Generators 
     batch, width = block.tokens.shape
     vocab = target_probs.shape[-1]
     device = target_probs.device
-    if generator is None or isinstance(generator, torch.Generator):
-        u = uniform((batch, width), generator, device=device)
-    else:
-        u = torch.ones(batch, width, device=device)
-        for i, (g, k) in enumerate(zip(_row_generators(generator, batch), block.lengths.tolist())):
-            u[i, :k] = uniform((k,), g, device=device)
+    u = draft_uniforms(block, generator, device)
     if width == 0:
         accepted = torch.zeros(batch, dtype=torch.long, device=device)
         return VerifyOutcome(accepted, sample(target_probs[:, 0], generator), torch.ones(batch, dtype=torch.bool))
@@ -96,11 +98,8 @@ def expected_accepted(target_probs: Tensor, block: DraftBlock) -> Tuple[Tensor, 
     if width == 0:
         zero = torch.zeros(block.tokens.shape[0], dtype=target_probs.dtype, device=target_probs.device)
         return zero, zero.clone()
-    p_draft, q_draft, _ = _draft_rows(target_probs, block)
-    valid = torch.arange(width, device=target_probs.device).unsqueeze(0) < block.lengths.unsqueeze(1)
-    ratio = torch.where(valid & (q_draft > 0), (p_draft / q_draft.clamp(min=1e-30)).clamp(max=1.0),
-                        torch.zeros_like(p_draft))
-    token_wise = ratio.cumprod(-1).sum(-1)
-    h = block_weights(target_probs, block)[0]
+    ratio, q_dense = _ratios(target_probs, block)
+    token_wise = ratio.clamp(max=1.0).cumprod(-1).sum(-1)
+    h = _weights(target_probs, block, ratio, q_dense)[0]
     none_after = torch.flip(torch.cumprod(torch.flip(1 - h, [1]), 1), [1])  # P(no prefix >= i kept), i = 1..K
     return token_wise, (1 - none_after).sum(-1)

@@ -64,6 +64,18 @@ def greedy_verify(target_logits: Tensor, block: DraftBlock) -> VerifyOutcome:
     return VerifyOutcome(accepted=accepted, next_tokens=next_tokens, is_bonus=accepted == block.lengths)
 
 
+def draft_uniforms(block: DraftBlock, generator: Generators, device) -> Tensor:
+    """One uniform per draft [B, K] (both acceptance rules test each draft or prefix against one): from one
+    generator, or each row's k from its own generator, as it would draw them alone (1 past a row's k)."""
+    batch, width = block.tokens.shape
+    if generator is None or isinstance(generator, torch.Generator):
+        return uniform((batch, width), generator, device=device)
+    u = torch.ones(batch, width, device=device)
+    for i, (g, k) in enumerate(zip(_row_generators(generator, batch), block.lengths.tolist())):
+        u[i, :k] = uniform((k,), g, device=device)
+    return u
+
+
 def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generators = None) -> VerifyOutcome:
     """Speculative sampling (Leviathan et al.; Chen et al.) for a batch of ragged blocks.
 
@@ -83,12 +95,7 @@ def rejection_sample(target_probs: Tensor, block: DraftBlock, generator: Generat
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = block.q.prob_of(tokens).to(p_draft.dtype)
-    if generator is None or isinstance(generator, torch.Generator):
-        u = uniform((batch, width), generator, device=device)
-    else:  # one generator per row: each row draws its own k uniforms, as it would alone
-        u = torch.ones(batch, width, device=device)
-        for i, (g, k) in enumerate(zip(_row_generators(generator, batch), block.lengths.tolist())):
-            u[i, :k] = uniform((k,), g, device=device)
+    u = draft_uniforms(block, generator, device)
     # u * q < p  <=>  u < p / q; rejects when p = 0 and when q = 0 (a token the drafter could not draw).
     accept = (u * q_draft < p_draft) & (q_draft > 0) & valid
     accepted = _leading_true(accept)

@@ -141,7 +141,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, tree.size if tree else 0),
                                   pending=prompt_ids[-1], params=params, generator=generator,
                                   steering=bool(msg.steering), sprinter=verification.lossy, tree=tree,
-                                  acceptance="block" if verification.mode == "block" else "token")
+                                  acceptance=verification.acceptance)
         start = time.perf_counter()
         try:
             if tree is not None:

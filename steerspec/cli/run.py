@@ -192,10 +192,11 @@ def decode_config(args: argparse.Namespace, params: SamplingParams, verifier, dr
     limit = context_length(verifier)
     if drafter is not None:
         limit = min(limit, context_length(drafter))
-    block = str(getattr(args, "verification", None) or "exact").strip().lower() == "block"
+    from steerspec.sprinter.spec import parse_verification
+
     return DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, draft_top_k=args.draft_top_k,
                         seed=args.seed, eos_token_ids=eos_token_ids(verifier, tokenizer), max_length=limit,
-                        acceptance="block" if block else "token")
+                        acceptance=parse_verification(getattr(args, "verification", None)).acceptance)
 
 
 def _grpc_runner():

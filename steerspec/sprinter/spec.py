@@ -26,6 +26,11 @@ class Verification:
     def lossy(self) -> bool:
         return self.mode == SPRINTER
 
+    @property
+    def acceptance(self) -> str:
+        """`DecodeConfig.acceptance` / `VerifyRow.acceptance` of an exact session: "block" or "token"."""
+        return "block" if self.mode == BLOCK else "token"
+
     def spec(self) -> str:
         """The canonical spec string (round-trips through parse_verification)."""
         if self.mode in (EXACT, BLOCK):
