@@ -199,7 +199,8 @@ class SessionRequest:
         return parse_tree(self.tree)
 
     def _validate_tree(self) -> None:
-        """A tree session: speculative, exact, fixed policy (the tree replaces k); the spec normalised."""
+        """A tree session: speculative, lossless (exact or block), fixed policy (the tree replaces k); the spec
+        normalised."""
         if not (self.tree or "").strip():
             self.tree = ""
             return
@@ -209,9 +210,9 @@ class SessionRequest:
             raise _invalid(f"tree: {exc}") from None
         if self.mode != "speculative":
             raise _invalid("a draft tree needs mode 'speculative'")
-        if self.verification_spec().mode != "exact":
-            raise _invalid(f"a draft tree is verified by recursive rejection sampling, not "
-                           f"'{self.verification_spec().mode}': send verification 'exact' or no tree")
+        if self.verification_spec().lossy:
+            raise _invalid(f"a draft tree is verified losslessly, not by '{self.verification_spec().mode}': send "
+                           "verification 'exact' or 'block', or no tree")
         if (self.policy or "fixed").split(":")[0] != "fixed":
             raise _invalid(f"a draft tree replaces the draft length: policy '{self.policy}' does not apply; send "
                            "policy 'fixed' (or none)")

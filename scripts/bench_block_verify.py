@@ -2,11 +2,15 @@
 
     python scripts/bench_block_verify.py --drafter smollm2-sd2 --sets fresh,indist --prompts 16 --seeds 0,1 \
         --ks 2,4,6,8 --threads 2 --out docs/bench-block-verify-smollm2.json
+    python scripts/bench_block_verify.py --drafter smollm2-sd2 --sets fresh,indist --prompts 16 --seeds 0,1 \
+        --ks "" --trees "default;0,1,2,00,01,10,000,100" --threads 2 --out docs/bench-traversal-smollm2.json
 
 Generates with token-wise acceptance (`speculative_generate`, fixed k, an SD² drafter steered) and, at every
 block the verifier checks, computes the expected accepted drafts given those drafts under both rules
 (`block_verify.expected_accepted`): a paired comparison without sampling noise, valid because both rules give
 the verifier's distribution, so the contexts are drawn alike. Reports tau = 1 + E[accepted] per rule and k.
+With --trees, the same for draft trees (`tree_generate`, siblings without replacement): recursive rejection
+sampling against traversal verification (`traversal.expected_path_lengths`), one row per tree.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sets", default="fresh", help="bundled eval sets (comma-separated)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--ks", default="2,4,6,8")
+    parser.add_argument("--ks", default="2,4,6,8", help="chains of these k ('' for none)")
+    parser.add_argument("--trees", default="", help="draft trees, ';'-separated (e.g. 'default;0,1,00')")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--draft-top-k", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -42,10 +47,14 @@ def main(argv=None) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
+    import steerspec.tree_decoding as tree_decoding
     import steerspec.verifying as verifying
     from steerspec.block_verify import expected_accepted
+    from steerspec.traversal import expected_path_lengths
+    from steerspec.trees import parse_tree, sampled_walk
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.tree_decoding import tree_generate
     from steerspec.models.kv import cached_lm
     from steerspec.models.loading import apply_threads, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies import FixedK
@@ -59,7 +68,8 @@ def main(argv=None) -> int:
     verifier, drafter = cached_lm(verifier_model), cached_lm(drafter_model)
     weights = maybe_steering_weights(drafter_model, resolve_model_dir(args.drafter))
     eos = eos_token_ids(verifier_model, tokenizer)
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    trees = [parse_tree(t).spec() for t in args.trees.split(";") if t.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
     sums = {}  # (set, k) -> [blocks, token-wise E, block E, realised accepted]
 
@@ -75,30 +85,52 @@ def main(argv=None) -> int:
             return outcome
         return rule
 
+    def measuring_tree(key):
+        def walk(shape, tokens, p_rows, q_at, generator, distinct):
+            rrs, traversal = expected_path_lengths(shape, tokens, p_rows.double(),
+                                                   {n: q.double() for n, q in q_at.items()}, distinct)
+            outcome = sampled_walk(shape, tokens, p_rows, q_at, generator, distinct)
+            row = sums.setdefault(key, [0, 0.0, 0.0, 0])
+            row[0] += 1
+            row[1] += rrs
+            row[2] += traversal
+            row[3] += len(outcome[0])
+            return outcome
+        return walk
+
+    def generate(k, config, ids, hooks):
+        if isinstance(k, str):
+            tree_generate(verifier, drafter, ids, config, k, steering=hooks)
+        else:
+            speculative_generate(verifier, drafter, ids, config, FixedK(k), steering=hooks)
+
     start = time.perf_counter()
     jobs = [(name, p, s, k) for name in args.sets.split(",")
-            for p in load_eval_set(name)[:args.prompts] for s in seeds for k in ks]
+            for p in load_eval_set(name)[:args.prompts] for s in seeds for k in ks + trees]
     for name, prompt, seed, k in tqdm(jobs, desc="generations", file=sys.stderr):
         ids = tokenizer(prompt["prompt"], add_special_tokens=False)["input_ids"]
         config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=seed, draft_top_k=args.draft_top_k,
                               sampling=SamplingParams(temperature=args.temperature), eos_token_ids=eos,
                               max_length=2048)
         verifying.rejection_sample = measuring((name, k))
+        tree_decoding.sampled_walk = measuring_tree((name, k))
         try:
             if weights is not None:
                 with SD2Steering(drafter, weights) as hooks:
-                    speculative_generate(verifier, drafter, ids, config, FixedK(k), steering=hooks)
+                    generate(k, config, ids, hooks)
             else:
-                speculative_generate(verifier, drafter, ids, config, FixedK(k))
+                generate(k, config, ids, None)
         finally:
             verifying.rejection_sample = rejection_sample
+            tree_decoding.sampled_walk = sampled_walk
     rows = []
-    for (name, k), (blocks, token_wise, block_rule, realised) in sorted(sums.items()):
+    for (name, k), (blocks, token_wise, block_rule, realised) in sorted(sums.items(), key=lambda kv: str(kv[0])):
         rows.append({"set": name, "k": k, "blocks": blocks, "tau_token": round(1 + token_wise / blocks, 4),
                      "tau_block": round(1 + block_rule / blocks, 4), "tau_realised": round(1 + realised / blocks, 4),
                      "gain": round((1 + block_rule / blocks) / (1 + token_wise / blocks) - 1, 4)})
     table = Table(title=f"block verification vs token-wise, {args.drafter} -> {args.verifier}, T={args.temperature:g}")
-    for col in ("set", "k", "blocks", "τ token-wise", "τ block", "gain", "τ realised (token-wise)"):
+    for col in ("set", "k or tree", "blocks", "τ token-wise (trees: RRS)", "τ block (trees: traversal)", "gain",
+                "τ realised (token-wise)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["set"], str(r["k"]), str(r["blocks"]), f"{r['tau_token']:.3f}", f"{r['tau_block']:.3f}",

@@ -33,7 +33,7 @@ class DecodeConfig:
     seed: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
     max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it
-    acceptance: str = "token"  # at T > 0: "token" (speculative sampling) or "block" (steerspec/block_verify.py)
+    acceptance: str = "token"  # at T > 0: "token" (speculative sampling) or "block" (block_verify.py; trees: traversal.py)
 
     @property
     def greedy(self) -> bool:

@@ -9,8 +9,10 @@ verifier pass of up to 6 rows costs about what one of 3 does, so a small tree co
 pass than a chain at the same drafter cost (docs/results/real-pair.md, "Draft trees").
 Greedy, the output is the verifier's greedy output, token for token; at T > 0 each node's children are
 samples of the drafter's distribution there, drawn without replacement (or i.i.d.), and acceptance is
-multi-step speculative sampling with recursive residuals (`trees.sampled_walk`): exactly the verifier's distribution. Same protocol, round loop and
-accounting as `engine.speculative_generate` (pending token, prefill, SD² steering).
+multi-step speculative sampling with recursive residuals (`trees.sampled_walk`), or with
+`DecodeConfig.acceptance = "block"` traversal verification (`traversal.traversal_walk`, leaf to root): either
+exactly the verifier's distribution. Same protocol, round loop and accounting as `engine.speculative_generate`
+(pending token, prefill, SD² steering).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from steerspec.models.kv import FastCachedLM, as_cached
 from steerspec.rounds import DecodeConfig, make_generators
 from steerspec.speculative import DraftBlock
 from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
+from steerspec.traversal import traversal_walk
 from steerspec.trees import TreeShape, ancestor_mask, cut_to_depth, greedy_walk, parse_tree, sampled_walk, sibling_proposal
 
 
@@ -216,10 +219,13 @@ def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: Dec
         argmax = logits.argmax(-1).tolist()
         path, row = greedy_walk(shape, tokens, argmax)
         return path, argmax[row], row
+    walk = {"token": sampled_walk, "block": traversal_walk}.get(config.acceptance)
+    if walk is None:
+        raise ValueError(f"unknown acceptance rule {config.acceptance!r}: 'token' or 'block'")
     params = config.sampling
     p_rows = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
     q_dense = {parent: dense(dist).to(p_rows.device, p_rows.dtype) for parent, dist in q_at.items()}
-    return sampled_walk(shape, tokens, p_rows, q_dense, generator, distinct)
+    return walk(shape, tokens, p_rows, q_dense, generator, distinct)
 
 
 def tree_generate(

@@ -6,15 +6,16 @@ static trees, SpecInfer's token trees). The verifier scores every node in one pa
 ancestor mask; greedy acceptance walks from the root along the child whose token equals the
 verifier's argmax, so the committed text is exactly the verifier's greedy output. At T > 0 a node's
 children are instead samples from the drafter's distribution there, without replacement in rank order
-(the ranks only say how many), and `sampled_walk` is recursive rejection sampling over them: exactly the
-verifier's distribution. A chain of k zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then
-parent, then rank): a parent always comes before its children.
+(the ranks only say how many), and `sampled_walk` is recursive rejection sampling over them (or, under block
+verification, `traversal.traversal_walk` leaf to root): exactly the verifier's distribution. A chain of k
+zeros is plain speculative decoding at k. Nodes are kept in breadth-first order (by depth, then parent, then
+rank): a parent always comes before its children.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -152,6 +153,28 @@ def sibling_proposal(q: Tensor, earlier: Sequence[int]) -> Tensor:
     return rest / mass if mass > 0 else rest
 
 
+def node_tests(p: Tensor, q: Optional[Tensor], children: Sequence[int], node_tokens: Sequence[int],
+               distinct: bool = True) -> Iterator[Tuple[Optional[int], float, Tensor]]:
+    """Recursive rejection sampling at one node: for each child in turn (child, the chance it is accepted given
+    the earlier ones were not, p then), p becoming norm(max(0, p - q_i)) after each rejection; last
+    (None, 1.0, the p left), from which the next token is drawn when no child was accepted. `distinct`: q_i is
+    q without the earlier siblings' tokens (drawn without replacement in rank order), else q (None: no children)."""
+    earlier: List[int] = []
+    for child in children:
+        x = int(node_tokens[child])
+        q_i = sibling_proposal(q, earlier) if distinct else q
+        earlier.append(x)
+        if float(q_i.sum()) <= 0:  # q had fewer tokens than siblings: the rest were never drawn from it
+            break
+        ratio = float(p[x]) / float(q_i[x]) if float(q_i[x]) > 0 else 0.0
+        yield child, min(1.0, ratio), p
+        residual = (p - q_i).clamp_(min=0)
+        mass = float(residual.sum())
+        if mass > 0:  # with no mass left p equals q: a rejection cannot happen then (rounding aside)
+            p = residual / mass
+    yield None, 1.0, p
+
+
 def sampled_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor, q_at: Dict[int, Tensor],
                  generator: Optional[torch.Generator] = None, distinct: bool = True) -> Tuple[List[int], int, int]:
     """Multi-step speculative sampling over a verified tree: exactly the verifier's distribution.
@@ -160,29 +183,18 @@ def sampled_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor, q
     (row 1 + i); `q_at[parent]` [V]: the drafter's distribution its children were drawn from. At a node,
     each child x in turn is accepted with probability min(1, p(x) / q_i(x)); on a rejection p becomes
     norm(max(0, p - q_i)) for the next child; when none is accepted (or there are none) the next token is
-    drawn from the p left. `distinct`: the children were drawn without replacement in rank order, so q_i is
-    q without the earlier siblings' tokens (recursive rejection sampling, Jeon et al. 2024); otherwise
-    i.i.d., q_i = q (SpecInfer, Miao et al. 2024, Alg. 2). Returns (accepted path, next token, row that gave it)."""
+    drawn from the p left (`node_tests`). `distinct`: the children were drawn without replacement in rank
+    order, so q_i is q without the earlier siblings' tokens (recursive rejection sampling, Jeon et al. 2024);
+    otherwise i.i.d., q_i = q (SpecInfer, Miao et al. 2024, Alg. 2). Returns (accepted path, next token, row
+    that gave it)."""
     path: List[int] = []
     node, row = -1, 0
     while True:
-        p, earlier, taken = p_rows[row], [], None
-        for child in shape.children(node):
-            x = int(node_tokens[child])
-            q = sibling_proposal(q_at[node], earlier) if distinct else q_at[node]
-            earlier.append(x)
-            if float(q.sum()) <= 0:  # q had fewer tokens than siblings: the rest were never drawn from it
+        for child, chance, p in node_tests(p_rows[row], q_at.get(node), shape.children(node), node_tokens, distinct):
+            if child is None:
+                token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
+                return path, token, row
+            if float(torch.rand((), generator=generator)) < chance:
                 break
-            ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 0.0
-            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-                taken = child
-                break
-            residual = (p - q).clamp_(min=0)
-            mass = float(residual.sum())
-            if mass > 0:  # with no mass left p equals q: a rejection cannot happen then (rounding aside)
-                p = residual / mass
-        if taken is None:
-            token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
-            return path, token, row
-        path.append(taken)
-        node, row = taken, 1 + taken
+        path.append(child)
+        node, row = child, 1 + child

@@ -309,8 +309,9 @@ def decode_labels(msg: common_pb2.SprinterLabels):
 
 def tree_from_proto(spec: str, verification: str = "exact", policy: str = ""):
     """VerifyOpen.tree / DraftOpen.tree -> a `trees.TreeShape`, or None for "" (chains); INVALID_ARGUMENT
-    naming the fix on a bad spec, with a verification mode other than exact (SPRINTER and block verification
-    judge chains) or a draft-length policy other than fixed."""
+    naming the fix on a bad spec, with a lossy verification mode (SPRINTER judges chains; `exact` walks a tree
+    by recursive rejection sampling, `block` by traversal verification) or a draft-length policy other than
+    fixed."""
     from steerspec.trees import parse_tree
 
     if not (spec or "").strip():
@@ -319,9 +320,9 @@ def tree_from_proto(spec: str, verification: str = "exact", policy: str = ""):
         tree = parse_tree(spec)
     except ValueError as exc:
         raise invalid(f"tree: {exc}") from None
-    if verification != "exact":
-        raise invalid(f"a draft tree is verified by recursive rejection sampling, not '{verification}': open the "
-                      "session with verification 'exact' or without a tree")
+    if verification not in ("exact", "block"):
+        raise invalid(f"a draft tree is verified losslessly, not by '{verification}': open the session with "
+                      "verification 'exact' or 'block', or without a tree")
     if (policy or "fixed").split(":")[0] != "fixed":
         raise invalid(f"a draft tree replaces the draft length: policy '{policy}' does not apply; send policy "
                       "'fixed' (or none)")

@@ -53,6 +53,22 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     assert "speculative" in table and "autoregressive" in table and "engine" in table
 
 
+def test_bench_remote_block_and_tree_rows(tiny_pair, tmp_path, capsys):
+    """--block with --tree: the chain by block verification, the tree by recursive rejection sampling and by
+    traversal verification, each a row with its speedup over the verifier alone."""
+    verifier, drafter = tiny_pair
+    out = tmp_path / "bench.json"
+    args = _args("--verifier", str(verifier), "--drafter", str(drafter), "--rtt-ms", "0", "--prompts", "1",
+                 "--max-new-tokens", "8", "--concurrency", "1", "--threads", "1", "--k", "3", "--tree", "0,1,00",
+                 "--block", "--no-engine", "--out", str(out))
+    assert remote.run(args) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    for key in ("block", "tree", "tree_block"):
+        assert 1 <= row[key]["generated_tokens"] <= 8 and row[f"{key}_speedup"] > 0, key
+    table = capsys.readouterr().out
+    assert "block verify" in table and "traversal verify" in table
+
+
 def test_bench_remote_steers_an_sd2_drafter(tmp_path):
     """An SD² drafter is measured steered: the verifier sends g with every result (bytes down), and the
     in-process engine row, steered too, commits what the services commit (greedy)."""

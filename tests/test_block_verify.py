@@ -176,13 +176,6 @@ def test_verification_grammar_takes_block():
         parse_verification("blocky")
 
 
-def test_steerspec_run_refuses_block_verification_with_a_tree(capsys):
-    from steerspec.cli import main
-
-    code = main(["run", "x", "--verification", "block", "--tree", "0,1"])
-    assert code == 2 and "--tree needs --mode speculative and --verification exact" in capsys.readouterr().err
-
-
 def test_expected_accepted_matches_the_rules_laws():
     """`expected_accepted` = the mean accepted count of each rule's exact law on the same blocks."""
     from steerspec.block_verify import expected_accepted

@@ -149,13 +149,6 @@ async def test_block_verification_through_the_services_equals_the_in_process_eng
         assert token_wise.token_ids == got.token_ids
 
 
-async def test_block_verification_refuses_a_tree(cluster):
-    from coordinator.streams import SessionError
-
-    with pytest.raises((SessionError, UsageError, ValueError, grpc.RpcError), match="recursive rejection sampling"):
-        await cluster.generate(PROMPT, max_new_tokens=8, temperature=1.0, verification="block", tree="0,1,00")
-
-
 async def test_sampling_block_up_is_under_4kb(cluster):
     """T=1, k=8, draft_top_k=64: ids + fp16 probs of the sparse q, at most 4 KB per block."""
     result = await cluster.generate(PROMPT, max_new_tokens=24, temperature=1.0, seed=1, k=8, draft_top_k=64)

@@ -42,21 +42,29 @@ async def test_a_greedy_tree_through_the_services_gives_the_verifiers_greedy_out
 
 
 @pytest.mark.parametrize("tree", TREES)
-async def test_a_sampled_tree_through_the_services_equals_the_in_process_tree(pair, tree):
+@pytest.mark.parametrize("verification", ["exact", "block"])
+async def test_a_sampled_tree_through_the_services_equals_the_in_process_tree(pair, tree, verification):
+    """`block`: the verifier walks the tree by traversal verification, as `tree_generate` does in process with
+    `acceptance="block"`; with the same seeds it commits other tokens than recursive rejection sampling."""
     verifier, drafter = pair
     params = SamplingParams(temperature=1.0)
-    expected = {}
+    expected, walked_by_rrs = {}, {}
     for seed, ids in enumerate(PROMPTS):  # before the cluster starts: this blocks the event loop
-        config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed, draft_top_k=16)
-        expected[seed] = tree_generate(cached_lm(verifier), cached_lm(drafter), ids, config, tree)
+        for acceptance, out in (("block" if verification == "block" else "token", expected), ("token", walked_by_rrs)):
+            config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed, draft_top_k=16,
+                                  acceptance=acceptance)
+            out[seed] = tree_generate(cached_lm(verifier), cached_lm(drafter), ids, config, tree)
     async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
         with cluster.client() as client:
             for seed, ids in enumerate(PROMPTS):
                 summary = await client.acomplete(prompt_ids=ids, max_new_tokens=NEW_TOKENS, temperature=1.0,
-                                                 seed=seed, draft_top_k=16, tree=tree, timeout=300)
+                                                 seed=seed, draft_top_k=16, tree=tree, timeout=300,
+                                                 verification=verification)
                 want = expected[seed]
-                assert list(summary.token_ids) == want.token_ids
+                assert list(summary.token_ids) == want.token_ids and summary.verification == verification
                 assert summary.rounds == want.rounds and summary.accepted == want.accepted
+    differs = any(expected[s].token_ids != walked_by_rrs[s].token_ids for s in expected)
+    assert differs == (verification == "block")
 
 
 @pytest.mark.skipif(not has_steering(resolve_model_dir("sd2")), reason="the sd2 drafter is not bundled")
@@ -83,6 +91,15 @@ async def test_the_coordinator_refuses_a_tree_it_cannot_run(pair, kwargs, fix):
         with pytest.raises(SessionError) as info:
             await cluster.generate(PROMPTS[0], max_new_tokens=4, **kwargs)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and fix in str(info.value)
+
+
+async def test_a_lossy_coordinator_refuses_a_tree_with_sprinter(pair):
+    verifier, drafter = pair
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=(),
+                            allow_lossy=True) as cluster:
+        with pytest.raises(SessionError) as info:
+            await cluster.generate(PROMPTS[0], max_new_tokens=4, tree="0,1", verification="sprinter")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'exact' or 'block'" in str(info.value)
 
 
 async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):

@@ -161,10 +161,36 @@ def test_run_with_a_tree_writes_the_verifiers_greedy_output_and_says_so(capsys):
     assert tree["tree"] == "0,1,00" and tree["policy"] is None and tree["rounds"] <= 20
 
 
+def test_run_with_a_tree_and_block_verification_walks_it_by_traversal(capsys):
+    """`--verification block --tree`: in process, the tokens of `tree_generate` with acceptance "block"."""
+    import json
+
+    from steerspec.engine import DecodeConfig
+    from steerspec.models import load_model, load_tokenizer, resolve_model_dir
+    from steerspec.models.kv import cached_lm
+    from steerspec.sampling import SamplingParams
+    from steerspec.tree_decoding import tree_generate
+
+    argv = ["run", "def fibonacci(n):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "20",
+            "--json", "--transport", "inproc", "--tree", "0,1,00", "--verification", "block", "--temperature", "1",
+            "--seed", "5"]
+    code, out, err = _cli(capsys, argv)
+    assert code == 0, err
+    got = json.loads(out)
+    tokenizer = load_tokenizer(resolve_model_dir("verifier"))
+    ids = tokenizer("def fibonacci(n):", add_special_tokens=False)["input_ids"]
+    verifier, drafter = (cached_lm(load_model(resolve_model_dir(name))) for name in ("verifier", "pretrained"))
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingParams(temperature=1.0), seed=5,
+                          eos_token_ids=tuple(got.get("eos_token_ids") or ()), acceptance="block")
+    want = tree_generate(verifier, drafter, ids, config, "0,1,00")
+    assert got["token_ids"] == want.token_ids and got["rounds"] == want.rounds
+
+
 @pytest.mark.parametrize("extra,fix", [
     (["--tree", "0,11"], "needs its parent"),
     (["--tree", "0,1", "--k", "3"], "drop --policy and --k"),
     (["--tree", "0,1", "--mode", "autoregressive"], "--mode speculative"),
+    (["--tree", "0,1", "--verification", "sprinter"], "lossless --verification (exact or block)"),
 ])
 def test_run_refuses_a_tree_it_cannot_run_in_one_line(capsys, extra, fix):
     argv = ["run", "def f():", "--verifier", "verifier", "--drafter", "pretrained", "--transport", "inproc"] + extra

@@ -37,7 +37,7 @@ class VerifierSession:
     steering: bool
     sprinter: bool = False  # lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)
     tree: Optional[TreeShape] = None  # a draft-tree session: blocks carry its nodes (verifier_service/tree_verify.py)
-    acceptance: str = "token"  # chains at T > 0: "token" (speculative sampling) or "block" (steerspec/block_verify.py)
+    acceptance: str = "token"  # at T > 0: "token" (speculative sampling) or "block" (block_verify.py; trees: traversal.py)
     last_seq: Optional[int] = None
     blocks: int = 0
     ready: bool = False

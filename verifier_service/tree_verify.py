@@ -1,7 +1,8 @@
 """Draft-tree sessions on the verifier (VerifyOpen.tree): each block holds the first nodes of the
 session's static tree, breadth-first, and is verified by the in-process `tree_decoding` steps (the
-pending token and every node scored with an ancestor mask, the greedy walk or recursive rejection
-sampling over siblings drawn without replacement, the cache keeping the accepted path), so a seeded
+pending token and every node scored with an ancestor mask, the greedy walk, or over siblings drawn without
+replacement recursive rejection sampling or, in a block-verified session, traversal verification; the cache
+keeping the accepted path), so a seeded
 session draws exactly what `tree_generate` draws in one process. Concurrent sessions' trees share one
 packed pass (each row with its own positions and mask); chain sessions in the same batch keep theirs.
 """
@@ -79,7 +80,8 @@ def run(runner, jobs) -> List:
     for session, job, shape, at, out in zip(sessions, jobs, shapes, starts, outs):
         q_at = None if (job.block.q is None or session.greedy) else parents_q(shape, job.block.q)
         walked.append(finish_tree(session.lm, at, shape, job.block.draft_ids.tolist(), out,
-                                  DecodeConfig(sampling=session.params), q_at, session.generator))
+                                  DecodeConfig(sampling=session.params, acceptance=session.acceptance), q_at,
+                                  session.generator))
     steering = [None] * len(jobs)
     if want_hidden:
         g = fast_verify._head(runner, torch.stack([hidden for _, _, hidden in walked]))

@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "services at every RTT: a third row beside the chain of k")
     parser.add_argument("--block", action="store_true",
                         help="also run the chain of k with block verification (verification 'block') through the "
-                             "same services at every RTT: a row beside the token-wise chain")
+                             "same services at every RTT: a row beside the token-wise chain (with --tree, the tree "
+                             "by traversal verification too)")
     parser.add_argument("--draft-top-k", type=int, default=64, help="support of the sparse draft distribution")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -343,6 +344,13 @@ async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dic
     return {"rows": rows, "engine": engine, "steering": steered}
 
 
+def _speedup(measured: Dict[str, Any], alone: Dict[str, Any]):
+    """tokens/s over the verifier alone's through the same services (None when either is missing)."""
+    if not (measured.get("tokens_per_s") and alone.get("tokens_per_s")):
+        return None
+    return round(measured["tokens_per_s"] / alone["tokens_per_s"], 3)
+
+
 async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[str, Any]:
     async with cluster_cm as cluster:
         await cluster.generate(prompts[0], max_new_tokens=4, k=args.k, draft_top_k=args.draft_top_k,
@@ -350,19 +358,15 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
         ar = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "autoregressive"))
         sd = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative"))
         row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
-        row["speedup"] = (round(sd["tokens_per_s"] / ar["tokens_per_s"], 3)
-                          if sd.get("tokens_per_s") and ar.get("tokens_per_s") else None)
-        if getattr(args, "block", False):
-            bl = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative",
-                                                  verification="block"))
-            row["block"] = bl
-            row["block_speedup"] = (round(bl["tokens_per_s"] / ar["tokens_per_s"], 3)
-                                    if bl.get("tokens_per_s") and ar.get("tokens_per_s") else None)
+        row["speedup"] = _speedup(sd, ar)
+        block = getattr(args, "block", False)
+        extra = [("block", "", "block")] if block else []  # (row key, tree, verification)
         if args.tree:
-            tr = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative", args.tree))
-            row["tree"] = tr
-            row["tree_speedup"] = (round(tr["tokens_per_s"] / ar["tokens_per_s"], 3)
-                                   if tr.get("tokens_per_s") and ar.get("tokens_per_s") else None)
+            extra += [("tree", args.tree, "exact")] + ([("tree_block", args.tree, "block")] if block else [])
+        for key, tree, verification in extra:
+            measured = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative", tree,
+                                                        verification=verification))
+            row[key], row[f"{key}_speedup"] = measured, _speedup(measured, ar)
         if rtt in args.concurrency_rtts:
             conc = {}
             for n in args.concurrency_list:
@@ -439,14 +443,15 @@ def print_report(report: Dict[str, Any]) -> None:
         table.add_column(name, justify=justify)
     engine = report.get("engine")
     for row in report["rows"]:
-        for mode in ("autoregressive", "speculative", "block", "tree"):
+        for mode in ("autoregressive", "speculative", "block", "tree", "tree_block"):
             if mode not in row:
                 continue
             m = row[mode]
             st = m.get("stage_ms", {})
-            speedup = {"autoregressive": 1.0, "speculative": row["speedup"], "block": row.get("block_speedup"),
-                       "tree": row.get("tree_speedup")}[mode]
-            label = {"tree": f"tree {cfg.get('tree')}", "block": "speculative, block verify"}.get(mode, mode)
+            key = {"autoregressive": None, "speculative": "speedup"}.get(mode, f"{mode}_speedup")
+            speedup = 1.0 if key is None else row.get(key)
+            label = {"tree": f"tree {cfg.get('tree')}", "block": "speculative, block verify",
+                     "tree_block": f"tree {cfg.get('tree')}, traversal verify"}.get(mode, mode)
             table.add_row(f"{row['rtt_ms']:g}", label, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
                           _f(speedup, 2),
                           _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),

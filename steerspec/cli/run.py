@@ -108,8 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_verification_arguments(parser: argparse.ArgumentParser) -> None:
     """--verification and --sprinter-head (shared with benchmarks)."""
     parser.add_argument("--verification", default="exact", metavar="SPEC",
-                        help="exact (default, lossless), block (lossless: block verification of chains, never "
-                             "fewer accepted tokens on average than exact's token-wise test; no trees) or "
+                        help="exact (default, lossless), block (lossless: block verification of chains, "
+                             "traversal verification of draft trees; never fewer accepted tokens on average than "
+                             "exact's token-wise test) or "
                              "sprinter[:threshold=T,max_run=N]: LOSSY, tokens the drafter-side classifier keeps are "
                              "committed without the verifier")
     parser.add_argument("--sprinter-head", default=None, metavar="DIR",
@@ -213,7 +214,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
     verification = parse_verification_arg(args)
-    chains_only = verification.mode != "exact"  # sprinter and block verification judge chains
+    chains_only = verification.lossy  # sprinter judges chains; exact and block verification walk trees too
     tree = tree_from_args(args, chains_only) or default_tree(args, chains_only)
     policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
     speculative = args.mode == "speculative"
@@ -280,7 +281,7 @@ def tree_from_args(args: argparse.Namespace, chains_only: bool):
     except ValueError as exc:
         raise UsageError(f"--tree: {exc}") from None
     if getattr(args, "mode", "speculative") != "speculative" or chains_only:
-        raise UsageError("--tree needs --mode speculative and --verification exact")
+        raise UsageError("--tree needs --mode speculative and a lossless --verification (exact or block)")
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
         raise UsageError("--tree replaces the draft length: drop --policy and --k")
     args.tree = shape.spec()
@@ -290,9 +291,9 @@ def tree_from_args(args: argparse.Namespace, chains_only: bool):
 def default_tree(args: argparse.Namespace, chains_only: bool):
     """The default draft tree, when `steerspec run` is given no --tree, --policy or --k: on the real pair it
     is faster than every draft-length policy measured, in process and through the services
-    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive, lossy or block-verified runs, a
-    GPU (trees are not measured there yet), architectures without the lean KV cache trees need, and a
-    remote --coordinator (its replicas' devices and models are not known here)."""
+    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive or lossy runs, a GPU
+    (trees are not measured there yet), architectures without the lean KV cache trees need, and a remote
+    --coordinator (its replicas' devices and models are not known here)."""
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None or chains_only or \
             getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu" \
             or getattr(args, "coordinator", None):
