@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
                       f"{100 * r['gain']:+.1f}%", f"{r['tau_realised']:.3f}")
     Console(width=140).print(table)
     if args.out:
-        report = {"command": "python scripts/bench_block_verify.py " + " ".join(argv or sys.argv[1:]),
+        report = {"command": "python scripts/bench_block_verify.py " + shlex.join(argv or sys.argv[1:]),
                   "config": vars(args), "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

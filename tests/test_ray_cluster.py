@@ -157,13 +157,15 @@ def test_steerspec_run_sprinter_on_ray_equals_in_process(ray_cluster, capsys):
     assert on_ray["stage_ms"]["network"] >= 9.0
 
 
-def test_steerspec_run_block_verification_on_ray_equals_in_process(ray_cluster, capsys):
-    """`steerspec run --deployment ray --verification block`: the verifier actor accepts by block verification,
-    token for token what the in-process engine does with the same seed."""
+@pytest.mark.parametrize("draft", [["--k", "6"], ["--tree", "0,1,00"]], ids=["chain", "tree"])
+def test_steerspec_run_block_verification_on_ray_equals_in_process(ray_cluster, capsys, draft):
+    """`steerspec run --deployment ray --verification block`: the verifier actor accepts a chain by block
+    verification and a tree by traversal verification, token for token what the in-process engine does with the
+    same seed."""
     from steerspec.cli import main
 
     argv = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "16",
-            "--temperature", "1", "--seed", "4", "--k", "6", "--threads", "1", "--json", "--verification", "block"]
+            "--temperature", "1", "--seed", "4", *draft, "--threads", "1", "--json", "--verification", "block"]
     assert main([*argv, "--transport", "grpc", "--deployment", "ray"]) == 0
     on_ray = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main([*argv, "--transport", "inproc"]) == 0
