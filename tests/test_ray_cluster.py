@@ -171,6 +171,7 @@ def test_steerspec_run_block_verification_on_ray_equals_in_process(ray_cluster, 
     assert main([*argv, "--transport", "inproc"]) == 0
     in_process = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert on_ray["deployment"] == "ray" and on_ray["verification"] == "block" and on_ray["lossy"] is False
+    assert in_process["verification"] == "block"
     assert on_ray["token_ids"] == in_process["token_ids"] and len(on_ray["token_ids"]) == 16
 
 

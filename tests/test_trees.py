@@ -184,6 +184,7 @@ def test_run_with_a_tree_and_block_verification_walks_it_by_traversal(capsys):
                           eos_token_ids=tuple(got.get("eos_token_ids") or ()), acceptance="block")
     want = tree_generate(verifier, drafter, ids, config, "0,1,00")
     assert got["token_ids"] == want.token_ids and got["rounds"] == want.rounds
+    assert got["verification"] == "block" and got["lossy"] is False
 
 
 @pytest.mark.parametrize("extra,fix", [

@@ -393,8 +393,9 @@ def run(args: argparse.Namespace) -> int:
                             "link": {"rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms,
                                      "bandwidth_mbps": link.bandwidth_mbps, "seed": link.seed}})
         payload["tree"] = getattr(args, "tree", None)
-        payload.setdefault("verification", "exact")
-        payload.setdefault("lossy", False)
+        verification = parse_verification_arg(args)
+        payload.setdefault("verification", verification.mode)  # the in-process engine's result does not say
+        payload.setdefault("lossy", verification.lossy)
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
         sys.stdout.write(result.text + "\n")
