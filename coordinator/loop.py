@@ -76,11 +76,19 @@ def _stream_error(kind: str, address: str, error: common_pb2.StreamError) -> Exc
     return SessionError(code, f"{kind} {address}: {error.message}")
 
 
-def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
-    """Keep at most k draft tokens (and their rows of q) so the block fits the session's room."""
+def _truncate_block(block: common_pb2.DraftBlock, k: int, tree=None) -> None:
+    """Keep at most k draft tokens (and their rows of q) so the block fits the session's room. `tree`: the
+    session's draft tree, whose blocks may carry one q row per parent (`trees.q_parents`); a cut keeps the rows
+    of the first k nodes' parents, which come first."""
     k = max(k, 0)
     if len(block.draft_ids) <= k:
         return
+    rows = k
+    if tree is not None and block.HasField("q") and block.q.support:
+        from steerspec.trees import prefix, q_parents
+
+        if len(block.q.ids) != len(block.draft_ids) * block.q.support:  # one row per parent
+            rows = len(q_parents(prefix(tree, k)))
     del block.draft_ids[k:]
     block.head_kept = min(int(block.head_kept), k)
     if block.HasField("q"):
@@ -88,8 +96,8 @@ def _truncate_block(block: common_pb2.DraftBlock, k: int) -> None:
             block.ClearField("q")
         else:
             support = block.q.support
-            del block.q.ids[k * support:]
-            block.q.probs = block.q.probs[:k * support * 2]  # fp16 rows
+            del block.q.ids[rows * support:]
+            block.q.probs = block.q.probs[:rows * support * 2]  # fp16 rows
 
 
 DEADLINE_SLACK_S = 0.05  # a replica error this close to the deadline is the deadline's
@@ -540,7 +548,7 @@ class SessionLoop:
                         from steerspec.tracing import traceparent
 
                         block.traceparent = traceparent(span)  # the verifier's spans become its children
-                    _truncate_block(block, self._block_room())  # a block commits at most k + 1 tokens
+                    _truncate_block(block, self._block_room(), self.tree)  # a block commits at most k + 1 tokens
                     kept, finish = self._commit_kept(block)
                     if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
                         yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))

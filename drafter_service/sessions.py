@@ -34,7 +34,7 @@ from steerspec.engine import DecodeConfig, draft_block
 from steerspec.sprinter.decoding import draft_run
 from steerspec.sampling import SamplingParams, SparseDist
 from steerspec.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees
-from steerspec.trees import TreeShape, cut_to_depth, prefix
+from steerspec.trees import TreeShape, cut_to_depth, prefix, q_parents
 from steerspec.wire import ProtocolError, invalid
 
 
@@ -221,12 +221,12 @@ class Drafter:
 
     @staticmethod
     def _tree_output(shape: TreeShape, drafted, batch_size: int = 1) -> DraftOutput:
-        """A drafted tree as a block: its nodes breadth-first, each node's q row its parent's distribution
-        (what the verifier tests)."""
+        """A drafted tree as a block: its nodes breadth-first and one q row per parent, the distribution its
+        children were drawn from (what the verifier tests; `trees.q_parents` order)."""
         tokens, fed, q_at = drafted
         q = None
         if q_at and shape.size:
-            rows = [q_at[parent] for parent in shape.parents]
+            rows = [q_at[parent] for parent in q_parents(shape)]
             q = SparseDist(ids=torch.cat([r.ids for r in rows]), probs=torch.cat([r.probs for r in rows]),
                            floor=None if rows[0].floor is None else torch.cat([r.floor for r in rows]),
                            vocab=rows[0].vocab)

@@ -112,6 +112,17 @@ def chain(k: int) -> TreeShape:
     return parse_tree(",".join("0" * i for i in range(1, k + 1)))
 
 
+def q_parents(shape: TreeShape) -> List[int]:
+    """The parents whose children the tree draws (-1: the root), in order of their first child: the rows of q a
+    tree block carries, one per parent, since siblings are drawn from the same distribution. Those of a
+    breadth-first prefix of the tree are a prefix of these."""
+    seen: List[int] = []
+    for parent in shape.parents:
+        if parent not in seen:
+            seen.append(parent)
+    return seen
+
+
 def ancestor_mask(shape: TreeShape, nodes: Sequence[int], fed: Sequence[int], with_root: bool) -> Tensor:
     """Boolean [len(nodes), len(fed_all)] mask among tree tokens: row r (node nodes[r]) sees the
     fed column c when that column's node is the row's node or one of its ancestors.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -122,12 +122,13 @@ def encode_sparse(ids: Tensor, probs: Tensor) -> common_pb2.SparseDistribution:
 
 
 def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
-                  draft_ids: Optional[np.ndarray] = None) -> SparseDist:
-    """Validate and decode a SparseDistribution for k draft positions -> SparseDist [k, S] float32.
+                  draft_ids: Optional[np.ndarray] = None, draft_rows: Optional[Sequence[int]] = None) -> SparseDist:
+    """Validate and decode a SparseDistribution of k rows -> SparseDist [k, S] float32.
 
     Checks: support in [1, vocab], ids/probs sizes match [k, support], ids in vocabulary and not
     repeated within a row, probs finite and >= 0 with a positive row sum, and (when `draft_ids`
-    is given) that each draft token has probability > 0 under its row (listed, or in the spread tail).
+    is given) that each draft token has probability > 0 under its row (listed, or in the spread tail):
+    row i, or row `draft_rows[i]` when given (a tree block's rows are one per parent).
     """
     support = int(msg.support)
     if support < 1:
@@ -145,7 +146,8 @@ def decode_sparse(msg: common_pb2.SparseDistribution, k: int, vocab_size: int,
         _explain_sparse(ids, probs, vocab_size)
     q = wire_dist(torch.from_numpy(ids), torch.from_numpy(probs), vocab_size)
     if draft_ids is not None and k:
-        mass = q.prob_of(torch.from_numpy(draft_ids))
+        rows = q if draft_rows is None else q.map(lambda t: t[list(draft_rows)])
+        mass = rows.prob_of(torch.from_numpy(draft_ids))
         if not bool((mass > 0).all()):
             i = int(torch.nonzero(mass <= 0)[0, 0])
             raise invalid(f"draft token {int(draft_ids[i])} at position {i} has probability 0 under its q row "
@@ -262,8 +264,24 @@ def encode_block(seq: int, committed_length: int, draft_ids: Sequence[int], q: O
     return msg
 
 
-def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> WireBlock:
-    """Validate the parts of a DraftBlock that need no session state; decode ids and q."""
+def tree_q_rows(shape, q: common_pb2.SparseDistribution) -> Tuple[int, Optional[List[int]]]:
+    """(rows, each node's row) of a tree block's q: one row per node (its parent's distribution; rows None), or
+    one per parent in `trees.q_parents` order, which siblings share (what the drafter service sends)."""
+    from steerspec.trees import q_parents
+
+    parents = q_parents(shape)
+    support = int(q.support)
+    if support < 1 or len(q.ids) == shape.size * support:
+        return shape.size, None  # decode_sparse names a bad support
+    if len(q.ids) != len(parents) * support:
+        raise invalid(f"q.ids has {len(q.ids)} entries; a tree block of {shape.size} nodes carries one row of "
+                      f"{support} per node ({shape.size * support}) or one per parent ({len(parents) * support})")
+    return len(parents), [parents.index(parent) for parent in shape.parents]
+
+
+def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool, shape=None) -> WireBlock:
+    """Validate the parts of a DraftBlock that need no session state but its tree; decode ids and q. `shape`:
+    the tree of the block's nodes (a tree session), whose q may carry one row per parent (`tree_q_rows`)."""
     ids = ids_array(msg.draft_ids)
     check_ids(ids, vocab_size, "draft_ids")
     k = int(ids.shape[0])
@@ -273,7 +291,8 @@ def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool) -> W
             raise invalid("this session is greedy (temperature 0): send draft ids only, without q")
         if k == 0:
             raise invalid("q is set but the block has no draft ids")
-        q = decode_sparse(msg.q, k, vocab_size, draft_ids=ids)
+        rows, draft_rows = (k, None) if shape is None else tree_q_rows(shape, msg.q)
+        q = decode_sparse(msg.q, rows, vocab_size, draft_ids=ids, draft_rows=draft_rows)
     elif not greedy and k > 0:
         raise invalid("this session samples (temperature > 0): every block with drafts must carry q, "
                       "the drafter's sparse distributions")

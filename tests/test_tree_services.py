@@ -103,8 +103,9 @@ async def test_a_lossy_coordinator_refuses_a_tree_with_sprinter(pair):
 
 
 async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):
-    """A block with more nodes than the session's tree is OUT_OF_RANGE; siblings whose q rows differ
-    are INVALID_ARGUMENT; the session then verifies a good block and returns its path."""
+    """A block with more nodes than the session's tree is OUT_OF_RANGE; siblings whose q rows differ, or q with
+    neither one row per node nor one per parent, are INVALID_ARGUMENT; the session then verifies a good block
+    (one row per parent, as the drafter service sends) and returns its path."""
     verifier, drafter = pair
     ids = PROMPTS[1]
     async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
@@ -131,12 +132,50 @@ async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):
             await call.write(verifier_pb2.VerifyRequest(block=mismatched))
             reply = await call.read()
             assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "q rows differ" in reply.error.message
-            good = block([5, 6, 7], [root, root, ([7, 8], [0.5, 0.5])])
+            one_row = block([5, 6, 7], [root])
+            await call.write(verifier_pb2.VerifyRequest(block=one_row))
+            reply = await call.read()
+            assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "one per parent (4)" in reply.error.message
+            good = block([5, 6, 7], [root, ([7, 8], [0.5, 0.5])])
             await call.write(verifier_pb2.VerifyRequest(block=good))
             reply = await call.read()
             assert reply.WhichOneof("kind") == "result", reply
             path = list(reply.result.path)
             assert len(path) == reply.result.accepted and path in ([], [0], [1], [0, 2])
+            await call.done_writing()
+
+
+@pytest.mark.parametrize("per_parent", [True, False], ids=["per-parent", "per-node"])
+def test_the_coordinator_cuts_a_tree_blocks_q_rows_with_its_nodes(per_parent):
+    """A block cut to k nodes keeps the rows of those nodes: with one row per parent, the rows of their parents
+    (`trees.q_parents` of the tree's first k nodes), which come first."""
+    from coordinator.loop import _truncate_block
+    from steerspec.trees import parse_tree
+
+    tree = parse_tree("0,1,2,00,10")  # parents -1, -1, -1, 0, 1
+    for k, rows in ((4, 2), (3, 1), (5, 3)):
+        n = 3 if per_parent else 5
+        q = common_pb2.SparseDistribution(ids=list(range(2 * n)), probs=bytes(4 * n), support=2)
+        block = common_pb2.DraftBlock(seq=1, draft_ids=[1, 2, 3, 4, 5], q=q)
+        _truncate_block(block, k, tree)
+        want = rows if per_parent else k
+        assert list(block.draft_ids) == [1, 2, 3, 4, 5][:k]
+        assert list(block.q.ids) == list(range(2 * want)) and len(block.q.probs) == 4 * want
+
+
+async def test_the_drafter_sends_one_q_row_per_parent(pair):
+    """Siblings are drawn from one distribution: a sampled tree block carries it once (tree 0,1,2,00,10: three
+    rows for five nodes, the root's, node 0's and node 1's)."""
+    verifier, drafter = pair
+    async with LocalCluster(verifier=verifier, drafter=drafter, tokenizer=None, eos_ids=()) as cluster:
+        async with grpc.aio.insecure_channel(cluster.drafter_targets[0]) as channel:
+            call = drafter_pb2_grpc.DrafterServiceStub(channel).Draft(timeout=60)
+            await call.write(drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
+                prompt_ids=PROMPTS[0], tree="0,1,2,00,10", max_new_tokens=20, seed=3, draft_top_k=16,
+                sampling=common_pb2.SamplingParams(temperature=1.0))))
+            block = (await call.read()).block
+            assert len(block.draft_ids) == 5 and block.q.support == 16
+            assert len(block.q.ids) == 3 * 16 and len(block.q.probs) == 2 * 3 * 16
             await call.done_writing()
 
 

@@ -192,9 +192,9 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 f"block {msg.seq} would take the sequence to {session.committed + k} tokens; the "
                                 f"verifier's context is {self.context}: draft fewer tokens or stop")
         shape = None if session.tree is None else tree_verify.block_shape(session.tree, k, msg.seq)
-        block = wire.decode_block(msg, self.vocab_size, session.greedy)
+        block = wire.decode_block(msg, self.vocab_size, session.greedy, shape)
         if shape is not None and block.q is not None:
-            tree_verify.parents_q(shape, block.q)  # siblings must share their q row
+            tree_verify.parents_q(shape, block.q)  # siblings must share their q row (one row per node)
         if block.kept and not session.sprinter:
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block {msg.seq} marks {block.kept} tokens as kept without verification, but this "
