@@ -53,8 +53,8 @@ class Tables:
         return out
 
 
-def _contexts(shape, tokens: List[int]):
-    """(p rows [1 + N, V], q_at {parent: q}) of a drafted tree under the tables' prefixes."""
+def _prefixes(shape, tokens: List[int]):
+    """node -> the tokens from the root to it (-1, the root: none): the context the tables give p and q for."""
     def at(node: int) -> Tuple[int, ...]:
         return () if node < 0 else tuple(tokens[a] for a in shape.ancestors(node)) + (tokens[node],)
     return at
@@ -87,7 +87,8 @@ def _drafted_trees(shape, tables: Tables, distinct: bool):
 
 
 def _inputs(shape, tables: Tables, tokens: List[int]):
-    at = _contexts(shape, tokens)
+    """(p rows [1 + N, V], q_at {parent: q}, node -> prefix) of a drafted tree under the tables."""
+    at = _prefixes(shape, tokens)
     p_rows = torch.stack([tables.p[at(n)] for n in range(-1, shape.size)])
     q_at = {n: tables.q[at(n)] for n in range(-1, shape.size) if shape.children(n)}
     return p_rows, q_at, at
