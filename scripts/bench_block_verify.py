@@ -43,7 +43,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    import torch
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -51,17 +50,17 @@ def main(argv=None) -> int:
     import steerspec.tree_decoding as tree_decoding
     import steerspec.verifying as verifying
     from steerspec.block_verify import expected_accepted
-    from steerspec.traversal import expected_path_lengths
-    from steerspec.trees import parse_tree, sampled_walk
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, speculative_generate
-    from steerspec.tree_decoding import tree_generate
     from steerspec.models.kv import cached_lm
     from steerspec.models.loading import apply_threads, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
     from steerspec.speculative import rejection_sample
     from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
+    from steerspec.traversal import expected_path_lengths
+    from steerspec.tree_decoding import tree_generate
+    from steerspec.trees import parse_tree, sampled_walk
 
     verifier_model, drafter_model = load_model(args.verifier), load_model(args.drafter)
     tokenizer = load_tokenizer(args.verifier)
@@ -74,15 +73,17 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     sums = {}  # (set, k) -> [blocks, token-wise E, block E, realised accepted]
 
+    def tally(key, blocks: int, token_wise: float, block_rule: float, realised: int) -> None:
+        row = sums.setdefault(key, [0, 0.0, 0.0, 0])
+        for i, value in enumerate((blocks, token_wise, block_rule, realised)):
+            row[i] += value
+
     def measuring(key):
         def rule(target, block, generator):
             token_wise, block_rule = expected_accepted(target.double(), block)
             outcome = rejection_sample(target, block, generator)
-            row = sums.setdefault(key, [0, 0.0, 0.0, 0])
-            row[0] += int(block.tokens.shape[0])
-            row[1] += float(token_wise.sum())
-            row[2] += float(block_rule.sum())
-            row[3] += int(outcome.accepted.sum())
+            tally(key, int(block.tokens.shape[0]), float(token_wise.sum()), float(block_rule.sum()),
+                  int(outcome.accepted.sum()))
             return outcome
         return rule
 
@@ -91,11 +92,7 @@ def main(argv=None) -> int:
             rrs, traversal = expected_path_lengths(shape, tokens, p_rows.double(),
                                                    {n: q.double() for n, q in q_at.items()}, distinct)
             outcome = sampled_walk(shape, tokens, p_rows, q_at, generator, distinct)
-            row = sums.setdefault(key, [0, 0.0, 0.0, 0])
-            row[0] += 1
-            row[1] += rrs
-            row[2] += traversal
-            row[3] += len(outcome[0])
+            tally(key, 1, rrs, traversal, len(outcome[0]))
             return outcome
         return walk
 

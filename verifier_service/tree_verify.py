@@ -1,10 +1,10 @@
 """Draft-tree sessions on the verifier (VerifyOpen.tree): each block holds the first nodes of the
 session's static tree, breadth-first, and is verified by the in-process `tree_decoding` steps (the
-pending token and every node scored with an ancestor mask, the greedy walk, or over siblings drawn without
+pending token and every node scored with an ancestor mask; the greedy walk, or over siblings drawn without
 replacement recursive rejection sampling or, in a block-verified session, traversal verification; the cache
-keeping the accepted path), so a seeded
-session draws exactly what `tree_generate` draws in one process. Concurrent sessions' trees share one
-packed pass (each row with its own positions and mask); chain sessions in the same batch keep theirs.
+keeping the accepted path), so a seeded session draws exactly what `tree_generate` draws in one process.
+Concurrent sessions' trees share one packed pass (each row with its own positions and mask); chain sessions in
+the same batch keep theirs.
 """
 
 from __future__ import annotations
