@@ -123,6 +123,19 @@ def q_parents(shape: TreeShape) -> List[int]:
     return seen
 
 
+def node_q_rows(shape: TreeShape, rows: int) -> Optional[List[int]]:
+    """Which row of a tree block's q of `rows` rows each node's tokens were drawn from: None for one row per
+    node (row i, its parent's distribution), else each parent's index in `q_parents` (one row per parent).
+    ValueError naming both layouts for any other count."""
+    if rows == shape.size:
+        return None
+    parents = q_parents(shape)
+    if rows != len(parents):
+        raise ValueError(f"q has {rows} row(s); a tree block of {shape.size} nodes carries one per node "
+                         f"({shape.size}) or one per parent ({len(parents)})")
+    return [parents.index(parent) for parent in shape.parents]
+
+
 def ancestor_mask(shape: TreeShape, nodes: Sequence[int], fed: Sequence[int], with_root: bool) -> Tensor:
     """Boolean [len(nodes), len(fed_all)] mask among tree tokens: row r (node nodes[r]) sees the
     fed column c when that column's node is the row's node or one of its ancestors.

@@ -265,18 +265,18 @@ def encode_block(seq: int, committed_length: int, draft_ids: Sequence[int], q: O
 
 
 def tree_q_rows(shape, q: common_pb2.SparseDistribution) -> Tuple[int, Optional[List[int]]]:
-    """(rows, each node's row) of a tree block's q: one row per node (its parent's distribution; rows None), or
-    one per parent in `trees.q_parents` order, which siblings share (what the drafter service sends)."""
-    from steerspec.trees import q_parents
+    """(rows, each node's row or None) of a tree block's q: one row per node (its parent's distribution), or one
+    per parent in `trees.q_parents` order, which siblings share (what the drafter service sends)."""
+    from steerspec.trees import node_q_rows
 
-    parents = q_parents(shape)
     support = int(q.support)
-    if support < 1 or len(q.ids) == shape.size * support:
-        return shape.size, None  # decode_sparse names a bad support
-    if len(q.ids) != len(parents) * support:
-        raise invalid(f"q.ids has {len(q.ids)} entries; a tree block of {shape.size} nodes carries one row of "
-                      f"{support} per node ({shape.size * support}) or one per parent ({len(parents) * support})")
-    return len(parents), [parents.index(parent) for parent in shape.parents]
+    if support < 1 or len(q.ids) % support:
+        return shape.size, None  # decode_sparse names the bad support or size
+    try:
+        node_rows = node_q_rows(shape, len(q.ids) // support)
+    except ValueError as exc:
+        raise invalid(f"{exc} of {support} ids each") from None
+    return (shape.size if node_rows is None else max(node_rows) + 1), node_rows
 
 
 def decode_block(msg: common_pb2.DraftBlock, vocab_size: int, greedy: bool, shape=None) -> WireBlock:

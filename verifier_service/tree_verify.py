@@ -20,7 +20,7 @@ from steerspec.rounds import DecodeConfig
 from steerspec.sampling import SparseDist
 from steerspec.models.batched import packed_extend
 from steerspec.tree_decoding import finish_tree, tree_feed
-from steerspec.trees import TreeShape, prefix, q_parents
+from steerspec.trees import TreeShape, node_q_rows, prefix, q_parents
 from steerspec.wire import ProtocolError, invalid
 from verifier_service import fast_verify
 
@@ -38,9 +38,8 @@ def check_session(lm) -> None:
 def parents_q(shape: TreeShape, q: SparseDist) -> Dict[int, SparseDist]:
     """The distribution [1, S] each parent's children were drawn from, from the block's rows: one per parent
     (`trees.q_parents` order), or one per node (its parent's q; INVALID_ARGUMENT when siblings' rows differ)."""
-    parents = q_parents(shape)
-    if q.ids.shape[0] == len(parents) < shape.size:
-        return {parent: q.map(lambda t, i=i: t[i:i + 1]) for i, parent in enumerate(parents)}
+    if node_q_rows(shape, int(q.ids.shape[0])) is not None:  # rows checked by wire.decode_block
+        return {parent: q.map(lambda t, i=i: t[i:i + 1]) for i, parent in enumerate(q_parents(shape))}
     out: Dict[int, SparseDist] = {}
     first: Dict[int, int] = {}
     for node, parent in enumerate(shape.parents):
