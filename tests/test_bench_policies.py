@@ -108,6 +108,46 @@ def test_bench_policies_runs_draft_trees_beside_the_policies(tmp_path, capsys):
     assert "tree" in capsys.readouterr().out
 
 
+def test_bench_policies_measures_block_verification(tmp_path):
+    """--verification block: every speculative run, in process and through the services, accepts by block
+    verification (chains) and traversal verification (trees): the blocks each regime counts are those of
+    `speculative_generate` / `tree_generate` with acceptance "block" and the same seeds, not token-wise ones."""
+    from coordinator.cli import load_tokenizer_and_eos
+    from steerspec.data.evalsets import load_eval_set
+    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.models import cached_lm, load_model, resolve_model_dir
+    from steerspec.policies import FixedK
+    from steerspec.sampling import SamplingParams
+    from steerspec.tree_decoding import tree_generate
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "policies", "--quick", "--verifier", "verifier", "--drafter", "pretrained", "--policies",
+                 "fixed", "--initial-k", "4", "--sets", "indist", "--rtt-ms", "0", "--temperatures", "1", "--prompts",
+                 "3", "--max-new-tokens", "24", "--trees", "0,1,00", "--verification", "block", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["verification"] == "block" and "--verification block" in report["command"]
+    calls = {(r["regime"], r["policy"]): r["metrics"]["verifier_calls"] for r in report["rows"]}
+
+    vdir, ddir = resolve_model_dir("verifier"), resolve_model_dir("pretrained")
+    tokenizer, eos = load_tokenizer_and_eos(str(vdir))
+    v, d = cached_lm(load_model(vdir)), cached_lm(load_model(ddir))
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in load_eval_set("indist")[:3]]
+
+    def blocks(acceptance: str, tree: bool) -> int:
+        total = 0
+        for i, p in enumerate(prompts):
+            config = DecodeConfig(max_new_tokens=24, seed=i, eos_token_ids=eos, draft_top_k=64,
+                                  sampling=SamplingParams(1.0), acceptance=acceptance)
+            total += (tree_generate(v, d, p, config, "0,1,00") if tree else
+                      speculative_generate(v, d, p, config, FixedK(4))).rounds
+        return total
+
+    for tree, policy in ((False, "fixed"), (True, "tree")):
+        want = blocks("block", tree)
+        assert calls[("inprocess", policy)] == want == calls[("rtt0", policy)], policy
+    assert (blocks("token", False), blocks("token", True)) != (blocks("block", False), blocks("block", True))
+
+
 def test_an_sd2_drafter_labels_its_blocks_steered():
     """Heads for an SD² drafter learn from the states it decodes with: its labelled blocks are drafted
     steered by the verifier's vector at each block start; the hooks are gone afterwards."""

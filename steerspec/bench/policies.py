@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trees", default="",
                         help="draft trees to run beside the policies, ';'-separated rank paths or 'default' (rows of "
                              "policy 'tree': exact, no draft length to choose)")
+    parser.add_argument("--verification", default="exact", choices=("exact", "block"),
+                        help="the lossless acceptance rule of every speculative run: exact (token-wise; trees by "
+                             "recursive rejection sampling) or block (block verification; trees by traversal)")
     parser.add_argument("--sets", default="indist,tests,docs", help="eval sets")
     parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated RTTs through the services ('' = none)")
     parser.add_argument("--temperatures", default="0,1")
@@ -149,7 +152,8 @@ def _config(args, temperature: float, i: int, eos):
     from steerspec.sampling import SamplingParams
 
     return DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
-                        sampling=SamplingParams(temperature), eos_token_ids=eos)
+                        sampling=SamplingParams(temperature), eos_token_ids=eos,
+                        acceptance="block" if getattr(args, "verification", "exact") == "block" else "token")
 
 
 def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None, tree: Optional[str] = None):
@@ -177,7 +181,7 @@ async def run_services(cluster, prompt, i: int, args, temperature, spec: Optiona
         prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
         draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
         policy="fixed" if (tree or not spec) else spec, steering=cluster.steering and spec is not None, timeout=600,
-        tree=tree)
+        tree=tree, verification=getattr(args, "verification", "exact") if spec else "exact")
     return result, result.wall_s
 
 
@@ -563,13 +567,15 @@ def run(args: argparse.Namespace) -> int:
                f" --verifier {args.verifier} --drafter {args.drafter} --policies '{args.policies}'"
                f" --initial-k {args.initial_k} --sets {args.sets} --rtt-ms '{args.rtt_ms}' --temperatures {args.temperatures}"
                f" --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --seed {args.seed}" +
-               (f" --trees '{args.trees}'" if args.tree_list else ""))
+               (f" --trees '{args.trees}'" if args.tree_list else "") +
+               (f" --verification {args.verification}" if args.verification != "exact" else ""))
     config = {"verifier": str(vdir), "drafter": str(ddir), "sets": args.set_list,
               "temperatures": args.temp_list, "rtt_ms": args.rtt_list, "initial_k": args.k_list,
               "policies": args.policy_list, "policy_names": names, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k, "seed": args.seed,
               "inprocess": not args.no_inprocess, "steered": has_steering(ddir),
-              **({"trees": args.tree_list} if args.tree_list else {})}  # absent without trees: older reports resume
+              **({"trees": args.tree_list} if args.tree_list else {}),  # absent by default: older reports resume
+              **({"verification": args.verification} if args.verification != "exact" else {})}
     prior = resumed(args, config)
     rows, earlier_s = prior.get("rows", []), float(prior.get("elapsed_s", 0.0))
     started = time.time()
