@@ -49,28 +49,23 @@ def main(argv=None) -> int:
 
     import steerspec.tree_decoding as tree_decoding
     import steerspec.verifying as verifying
+    from real_pair import load_pair, parse_lists
     from steerspec.block_verify import expected_accepted
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, speculative_generate
-    from steerspec.models.kv import cached_lm
-    from steerspec.models.loading import apply_threads, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
     from steerspec.speculative import rejection_sample
-    from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
     from steerspec.traversal import expected_path_lengths
     from steerspec.tree_decoding import tree_generate
-    from steerspec.trees import parse_tree, sampled_walk
+    from steerspec.trees import sampled_walk
 
-    verifier_model, drafter_model = load_model(args.verifier), load_model(args.drafter)
-    tokenizer = load_tokenizer(args.verifier)
-    apply_threads(args.threads, verifier_model)
-    verifier, drafter = cached_lm(verifier_model), cached_lm(drafter_model)
-    weights = maybe_steering_weights(drafter_model, resolve_model_dir(args.drafter))
-    eos = eos_token_ids(verifier_model, tokenizer)
-    ks = [int(k) for k in args.ks.split(",") if k.strip()]
-    trees = [parse_tree(t).spec() for t in args.trees.split(";") if t.strip()]
-    seeds = [int(s) for s in args.seeds.split(",")]
+    lists = parse_lists(args, "bench_block_verify")
+    if lists is None:
+        return 2
+    seeds, ks, trees = lists
+    pair = load_pair(args.verifier, args.drafter, args.threads)
+    verifier, drafter, tokenizer = pair.verifier, pair.drafter, pair.tokenizer
     sums = {}  # (set, k) -> [blocks, token-wise E, block E, realised accepted]
 
     def tally(key, blocks: int, token_wise: float, block_rule: float, realised: int) -> None:
@@ -108,16 +103,13 @@ def main(argv=None) -> int:
     for name, prompt, seed, k in tqdm(jobs, desc="generations", file=sys.stderr):
         ids = tokenizer(prompt["prompt"], add_special_tokens=False)["input_ids"]
         config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=seed, draft_top_k=args.draft_top_k,
-                              sampling=SamplingParams(temperature=args.temperature), eos_token_ids=eos,
+                              sampling=SamplingParams(temperature=args.temperature), eos_token_ids=pair.eos,
                               max_length=2048)
         verifying.rejection_sample = measuring((name, k))
         tree_decoding.sampled_walk = measuring_tree((name, k))
         try:
-            if weights is not None:
-                with SD2Steering(drafter, weights) as hooks:
-                    generate(k, config, ids, hooks)
-            else:
-                generate(k, config, ids, None)
+            with pair.steering() as hooks:
+                generate(k, config, ids, hooks)
         finally:
             verifying.rejection_sample = rejection_sample
             tree_decoding.sampled_walk = sampled_walk

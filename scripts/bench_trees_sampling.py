@@ -14,7 +14,6 @@ summed over prompts and seeds; speedup against the verifier alone sampling in th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -39,33 +38,25 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
+    from real_pair import load_pair, parse_lists
     from steerspec.data.evalsets import load_eval_set
     from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
-    from steerspec.models import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
-    from steerspec.models.loading import apply_threads
-    from steerspec.models.kv import cached_lm
     from steerspec.policies import FixedK
     from steerspec.sampling import SamplingParams
-    from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
     from steerspec.tree_decoding import tree_generate
-    from steerspec.trees import parse_tree
 
     if args.temperature <= 0:
         print("bench_trees_sampling.py: --temperature must be > 0 (greedy trees: steerspec bench engine --trees)",
               file=sys.stderr)
         return 2
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-        ks = [int(k) for k in args.ks.split(",") if k.strip()]
-        trees = [parse_tree(t).spec() for t in args.trees.split(";") if t.strip()]
-    except ValueError as exc:
-        print(f"bench_trees_sampling.py: {exc}", file=sys.stderr)
+    lists = parse_lists(args, "bench_trees_sampling.py")
+    if lists is None:
         return 2
-    verifier, drafter = load_model(args.verifier), load_model(args.drafter)
-    apply_threads(args.threads, verifier)
-    tok = load_tokenizer(args.verifier)
-    v, d = cached_lm(verifier), cached_lm(drafter)
-    prompts = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in load_eval_set(args.set)[:args.prompts]]
+    seeds, ks, trees = lists
+    pair = load_pair(args.verifier, args.drafter, args.threads)
+    v, d = pair.verifier, pair.drafter
+    prompts = [pair.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
+               for p in load_eval_set(args.set)[:args.prompts]]
     methods = {"verifier alone": lambda ids, c, h: autoregressive_generate(v, ids, c)}
     for k in ks:
         methods[f"k={k}"] = lambda ids, c, h, k=k: speculative_generate(v, d, ids, c, FixedK(k), steering=h)
@@ -76,14 +67,12 @@ def main(argv=None) -> int:
                                                                                 distinct=False)
     totals = {m: {"wall_s": 0.0, "tokens": 0, "rounds": 0} for m in methods}
     params = SamplingParams(temperature=args.temperature)
-    eos = eos_token_ids(verifier, tok)
-    weights = maybe_steering_weights(drafter, resolve_model_dir(args.drafter))
     for seed in seeds:
         for i, ids in enumerate(prompts):
             config = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, seed=seed,
-                                  draft_top_k=args.draft_top_k, eos_token_ids=eos, max_length=2048)
+                                  draft_top_k=args.draft_top_k, eos_token_ids=pair.eos, max_length=2048)
             for name, fn in methods.items():
-                with (SD2Steering(d, weights) if weights is not None else contextlib.nullcontext()) as steering:
+                with pair.steering() as steering:
                     t0 = time.perf_counter()
                     result = fn(ids, config, steering)
                     totals[name]["wall_s"] += time.perf_counter() - t0
