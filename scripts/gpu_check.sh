@@ -15,9 +15,11 @@
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 7     # larger drafters from the shipped smollm2-pretrained:
 #     SMOLLM2_SYNTH_SHARDS answers' shards, SMOLLM2_DISTILL_STEPS steps (SMOLLM2_STEER_LR: SD²'s own
 #     steering learning rate); weights come back in 14 MiB pieces
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 8     # draft trees on CUDA (the tiny pair): the tree services'
+#     tests there, and bench remote's tree and traversal rows beside the chain at RTT 0 and 50
 # $OUT/summary.txt collects the tables; $OUT/*.log hold each step's full output.
 set -uo pipefail
-PART=${1:?usage: gpu_check.sh 1|2|3}
+PART=${1:?usage: gpu_check.sh 1|2|3|4|5|6|7|8}
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -96,8 +98,14 @@ case "$PART" in
   tar cf "$OUT/drafters.tar" runs/smollm2/synth/meta.json steerspec/assets/models/smollm2-{distilled,sd2} 2>/dev/null
   split -b 14m "$OUT/drafters.tar" "$OUT/drafters.tar." && rm "$OUT/drafters.tar"
   ;;
+8)  # draft trees on CUDA: tree sessions' caches and packed passes on the GPU (needs only the tiny pair)
+  step tests-trees 200 env STEERSPEC_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider -rs \
+    tests/test_tree_services.py
+  step remote-trees 150 $PY -m steerspec bench remote --device "$DEV" --deployment local --temperature 1 --k 4 \
+    --draft-top-k 16 --rtt-ms 0,50 --prompts 4 --tree 0,1,2,00,10 --block --out "$OUT/remote-trees.json"
+  ;;
 *)
-  echo "usage: gpu_check.sh 1|2|3|4|5|6|7" >&2
+  echo "usage: gpu_check.sh 1|2|3|4|5|6|7|8" >&2
   exit 2
   ;;
 esac

@@ -1,10 +1,12 @@
 """Draft trees through the real services on 127.0.0.1 (GenerateRequest.tree): the drafter service drafts
-the tree, the wire carries its nodes breadth-first with one q row per node, the verifier walks it and
+the tree, the wire carries its nodes breadth-first with one q row per parent, the verifier walks it and
 returns the accepted path, the coordinator commits along it. Greedy output is the verifier's greedy
 output; sampled output equals in-process `tree_generate` with the same seed (whose exactness
 tests/test_trees.py checks by chi-square), near the token budget too. Refusals name the fix."""
 
 from __future__ import annotations
+
+import os
 
 import grpc
 import pytest
@@ -21,12 +23,14 @@ from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 
 PROMPTS = [[4, 57, 310, 12, 96], [88, 23, 7], [5, 9, 301, 44, 17, 250, 3]]
 NEW_TOKENS = 23  # odd, so the last blocks are cut near the budget
+DEVICE = os.environ.get("STEERSPEC_TEST_DEVICE", "cpu")  # scripts/gpu_check.sh 8 runs these on CUDA
 TREES = ["0,1,2,00,10", "0,1,00,000,01"]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_model(resolve_model_dir("verifier")), load_model(resolve_model_dir("pretrained"))
+    return (load_model(resolve_model_dir("verifier"), device=DEVICE),
+            load_model(resolve_model_dir("pretrained"), device=DEVICE))
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -73,7 +77,7 @@ async def test_a_steered_sd2_drafter_drafts_trees_through_the_services_exactly(p
     config = DecodeConfig(max_new_tokens=NEW_TOKENS)
     expected = [autoregressive_generate(verifier, ids, config).token_ids for ids in PROMPTS]
     async with LocalCluster(verifier=verifier, drafter=str(resolve_model_dir("sd2")), tokenizer=None,
-                            eos_ids=()) as cluster:
+                            eos_ids=(), device=DEVICE) as cluster:
         assert cluster.steering
         for ids, want in zip(PROMPTS, expected):
             got = await cluster.generate(ids, max_new_tokens=NEW_TOKENS, tree="default", steering=True)
