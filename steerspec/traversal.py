@@ -60,7 +60,7 @@ def traversal_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor,
     """Traversal verification over a verified tree: exactly the verifier's distribution. Arguments and result as
     `trees.sampled_walk`'s: (accepted path, next token, row of `p_rows` at the node that gave it)."""
     for node, chance, p in traversal_evaluations(shape, node_tokens, p_rows, q_at, distinct):
-        if node < 0 or float(torch.rand((), generator=generator)) < chance:
+        if node < 0 or float(torch.rand((), generator=generator, device=p.device)) < chance:
             token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
             path = [] if node < 0 else shape.ancestors(node) + [node]
             return path, token, 1 + node

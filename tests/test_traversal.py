@@ -185,3 +185,20 @@ def test_the_walk_draws_the_law_of_its_judgements() -> None:
     rrs, traversal = expected_path_lengths(shape, tokens, p_rows, q_at)
     assert length_traversal / n == pytest.approx(traversal, abs=0.03)
     assert length_rrs / n == pytest.approx(rrs, abs=0.03)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh 8 runs it there)")
+def test_both_walks_draw_on_the_generators_device() -> None:
+    """On a GPU the verifier's rows and its session generator live on CUDA: each walk draws its uniforms
+    there too (a CPU draw with a CUDA generator raised), and the mean accepted length still matches."""
+    shape = parse_tree("0,1,00,01,10,000")
+    tables = Tables(7)
+    tokens = max(_drafted_trees(shape, tables, True), key=lambda drafted: drafted[1])[0]
+    p_rows, q_at, _ = _inputs(shape, tables, tokens)
+    rrs, traversal = expected_path_lengths(shape, tokens, p_rows, q_at)
+    p_rows, q_at = p_rows.cuda(), {parent: q.cuda() for parent, q in q_at.items()}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 5_000
+    for walk, want in ((sampled_walk, rrs), (traversal_walk, traversal)):
+        mean = sum(len(walk(shape, tokens, p_rows, q_at, g)[0]) for _ in range(n)) / n
+        assert mean == pytest.approx(want, abs=0.05), walk.__name__
