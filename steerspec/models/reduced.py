@@ -133,6 +133,7 @@ def save_drafter(model, out: Path, dtype: torch.dtype = torch.float16, card: Opt
     save_file(tensors, str(out / WEIGHTS_NAME))
     config = model.config.to_dict()
     config["dtype"] = "float32"
+    config["_name_or_path"] = ""  # where it was loaded from on the machine that trained it: not shipped
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     if card:
