@@ -351,6 +351,12 @@ def test_an_sd2_drafter_labels_its_sprinter_tokens_steered():
     steered = label_windows(verifier, drafter, windows, 16, 1.0, 0, "steered", weights, max_offset=2)
     assert plain["x"].shape == steered["x"].shape
     assert not torch.allclose(plain["x"][2:], steered["x"][2:])  # positions with an earlier verifier state
+    # nothing is steered from a window's first position (the verifier's attention sink): the drafter's states
+    # at 0 and 1 stay plain (the sampled tokens differ: steering draws its offsets from the same generator)
+    d = int(drafter.config.hidden_size)
+    one_back = label_windows(verifier, drafter, windows, 16, 1.0, 0, "steered", weights, max_offset=1)
+    torch.testing.assert_close(plain["x"][:2, :d], one_back["x"][:2, :d], rtol=0, atol=1e-5)
+    assert not torch.allclose(plain["x"][2:, :d], one_back["x"][2:, :d])
     assert torch.equal(label_windows(verifier, drafter, windows, 16, 1.0, 0, "again")["x"], plain["x"])
     from steerspec.cli import main
 

@@ -142,9 +142,19 @@ def test_per_position_vectors_and_mask(drafter):
         # masking every position off is the plain drafter
         hooks.set_vector(g[:, None, :].expand(2, 6, D_V).contiguous(), torch.zeros(2, 6, dtype=torch.bool))
         masked = drafter(input_ids=ids).logits
+        # a masked-off position's vector cannot reach the logits, even one that overflowed to inf
+        poisoned = g[:, None, :].expand(2, 6, D_V).clone()
+        poisoned[:, 0] = float("inf")
+        mask = torch.ones(2, 6, dtype=torch.bool)
+        mask[:, 0] = False
+        hooks.set_vector(poisoned, mask)
+        partly = drafter(input_ids=ids).logits
+        hooks.set_vector(g[:, None, :].expand(2, 6, D_V).contiguous(), mask)
+        partly_finite = drafter(input_ids=ids).logits
         hooks.clear()
         plain = drafter(input_ids=ids).logits
     assert torch.equal(masked, plain)
+    assert torch.isfinite(partly).all() and torch.equal(partly, partly_finite)
 
 
 def test_block_bias_with_kv_cache_matches_full_forward(drafter):
@@ -179,6 +189,11 @@ def test_vector_wire_format_is_fp16_bytes():
     assert torch.equal(vector_from_bytes(data, D_V), g.half().float())
     with pytest.raises(ValueError):
         vector_from_bytes(data, D_V + 1)
+    # beyond fp16's range (SmolLM2's attention-sink position gives |g| near 9e4): saturated, never inf
+    g[:3] = torch.tensor([9e4, -1e6, float("inf")])
+    back = vector_from_bytes(vector_to_bytes(g), D_V)
+    assert torch.isfinite(back).all() and back[:3].tolist() == [65504.0, -65504.0, 65504.0]
+    assert torch.equal(back[3:], g[3:].half().float())
 
 
 def test_checkpoint_round_trip(tmp_path, drafter):

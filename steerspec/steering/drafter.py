@@ -167,7 +167,8 @@ class SteeringHooks:
         if mask is not None:
             if g.dim() != 3:
                 raise ValueError("a steering mask needs per-position vectors g [B, T, d_V]")
-            bias = bias * mask.to(bias.dtype)[..., None, None]
+            bias = torch.where(mask.to(torch.bool)[..., None, None], bias, torch.zeros((), dtype=bias.dtype,
+                                                                                      device=bias.device))
         self._set(bias)
         self._last_only = not steer_prefix and bias.dim() == 3
 

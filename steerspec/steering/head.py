@@ -56,8 +56,11 @@ class SteeringHead(nn.Module):
 
 
 def vector_to_bytes(g: Tensor) -> bytes:
-    """One steering vector [d_V] as fp16 little-endian bytes (d_V · 2 bytes on the wire)."""
-    flat = g.detach().reshape(-1).to(device="cpu", dtype=torch.float16).contiguous()
+    """One steering vector [d_V] as fp16 little-endian bytes (d_V · 2 bytes on the wire), saturated to fp16's
+    range: a vector taken at an attention-sink position (SmolLM2's first token: |g| near 9e4) would else
+    arrive as inf and turn the steered drafter's logits to NaN."""
+    limit = torch.finfo(torch.float16).max
+    flat = g.detach().reshape(-1).float().clamp(-limit, limit).to(device="cpu", dtype=torch.float16).contiguous()
     return flat.numpy().astype("<f2", copy=False).tobytes()
 
 

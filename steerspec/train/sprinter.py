@@ -78,7 +78,9 @@ def _windows(tokenizer, files: List[str], split, seq_len: int, tokens: int, seed
 def steering_per_position(weights, hidden_states, gen: torch.Generator, max_offset: int):
     """g [1, T, d_V] and its mask [1, T] for a teacher-forced window: drafter position j is steered by the
     verifier's vector from position j − δ, δ uniform in [1, max_offset] per position (decoding steers the
-    i-th draft of a block, or of a SPRINTER run, from δ = i positions back); unsteered where j − δ < 0."""
+    i-th draft of a block, or of a SPRINTER run, from δ = i positions back); unsteered where j − δ < 1: a window
+    starts a sequence, and its first position is the verifier's attention sink (SmolLM2's hidden states there
+    reach 2.5e4), which decoding never steers from (a prompt's last position is its first vector)."""
     from steerspec.steering.head import vector_from_bytes, vector_to_bytes
 
     g = weights.head.from_hidden_states(hidden_states)[0].float()  # [T, d_V]
@@ -86,7 +88,7 @@ def steering_per_position(weights, hidden_states, gen: torch.Generator, max_offs
     width = g.shape[0]
     delta = torch.randint(1, max_offset + 1, (width,), generator=gen, device=gen.device).to(g.device)
     source = torch.arange(width, device=g.device) - delta
-    return g[source.clamp_min(0)][None], (source >= 0)[None]
+    return g[source.clamp_min(0)][None], (source >= 1)[None]
 
 
 @torch.inference_mode()
