@@ -78,7 +78,8 @@ for step in "${STEPS[@]}"; do
                done
                for pid in "${pids[@]}"; do wait "$pid"; done ;;  # fails when a worker failed
     smollm2-distilled|smollm2-sd2)  # the same data, steps, lr, initialisation and seed; sd2 adds steering
-               # (1500 steps ship; SMOLLM2_DISTILL_STEPS=250 was the first, smaller build)
+               # (the default 1,500 steps fit the CPU budget; the shipped pair: SMOLLM2_DISTILL_STEPS=3000
+               # SMOLLM2_STEER_LR=2.5e-3 on a GPU, gpu_check.sh 7; 250 steps was the first, smaller build)
                kind=${step#smollm2-}; cmd=distill; extra=()
                if [ "$kind" = sd2 ]; then cmd=sd2; extra=(--k 4); fi
                # SMOLLM2_STEER_LR: a peak learning rate of its own for SD²'s W_hml and W_s (default --lr)
