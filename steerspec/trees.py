@@ -218,7 +218,7 @@ def sampled_walk(shape: TreeShape, node_tokens: Sequence[int], p_rows: Tensor, q
             if child is None:
                 token = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator)[0, 0])
                 return path, token, row
-            if float(torch.rand((), generator=generator, device=p.device)) < chance:  # the generator's device
+            if float(torch.rand((), generator=generator, device=p.device)) < chance:  # on the rows' device, the generator's
                 break
         path.append(child)
         node, row = child, 1 + child

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -73,8 +75,6 @@ def test_export_holds_only_own_weights_and_loads_exactly(tiny_verifier, support,
     assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names and "support" in names
     loaded = load_reduced(out, verifier_dir=tiny_verifier)
     again = load_reduced(save_drafter(loaded, tmp_path / "e"), verifier_dir=tiny_verifier)
-    import json
-
     assert json.loads((tmp_path / "e" / "config.json").read_text())["_name_or_path"] == ""  # no machine path ships
     ids = torch.tensor([[3, 9, 4, 4, 8]])
     with torch.no_grad():

@@ -167,8 +167,7 @@ class SteeringHooks:
         if mask is not None:
             if g.dim() != 3:
                 raise ValueError("a steering mask needs per-position vectors g [B, T, d_V]")
-            bias = torch.where(mask.to(torch.bool)[..., None, None], bias, torch.zeros((), dtype=bias.dtype,
-                                                                                      device=bias.device))
+            bias = bias.masked_fill(~mask.to(torch.bool)[..., None, None], 0.0)  # an inf there cannot leak
         self._set(bias)
         self._last_only = not steer_prefix and bias.dim() == 3
 
