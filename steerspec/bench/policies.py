@@ -153,7 +153,7 @@ def _config(args, temperature: float, i: int, eos):
 
     return DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
                         sampling=SamplingParams(temperature), eos_token_ids=eos,
-                        acceptance="block" if getattr(args, "verification", "exact") == "block" else "token")
+                        acceptance="block" if args.verification == "block" else "token")
 
 
 def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None, tree: Optional[str] = None):
@@ -181,7 +181,7 @@ async def run_services(cluster, prompt, i: int, args, temperature, spec: Optiona
         prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i, k=64,
         draft_top_k=args.draft_top_k, mode="speculative" if spec else "autoregressive",
         policy="fixed" if (tree or not spec) else spec, steering=cluster.steering and spec is not None, timeout=600,
-        tree=tree, verification=getattr(args, "verification", "exact") if spec else "exact")
+        tree=tree, verification=args.verification if spec else "exact")
     return result, result.wall_s
 
 
