@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -35,6 +35,9 @@ from steerspec.wire import WireBlock
 from verifier_service import fast_verify
 from verifier_service.sessions import VerifierSession
 
+if TYPE_CHECKING:
+    from verifier_service.tree_verify import TreeBlock
+
 
 @dataclass
 class VerifyJob:
@@ -42,6 +45,7 @@ class VerifyJob:
 
     session: VerifierSession
     block: WireBlock
+    tree: Optional[TreeBlock] = None  # a tree session's block as `tree_verify.check_block` checked it
     submitted: float = field(default_factory=time.perf_counter)
     future: Optional[asyncio.Future] = None
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import grpc
 import torch
@@ -174,7 +174,9 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                     raise ProtocolError(grpc.StatusCode.CANCELLED, "the session closed during its prefill")
         return await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, done, hold=(session,))
 
-    def _check_block(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> wire.WireBlock:
+    def _check_block(self, session: VerifierSession,
+                     msg: common_pb2.DraftBlock) -> Tuple[wire.WireBlock, Optional[tree_verify.TreeBlock]]:
+        """The decoded block, and a tree session's `TreeBlock` (checked once here, reused by the batch)."""
         if session.last_seq is not None and msg.seq != session.last_seq + 1:
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"wrong seq {msg.seq}: the last verified block was {session.last_seq}, "
@@ -193,23 +195,22 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 f"verifier's context is {self.context}: draft fewer tokens or stop")
         shape = None if session.tree is None else tree_verify.block_shape(session.tree, k, msg.seq)
         block = wire.decode_block(msg, self.vocab_size, session.greedy, shape)
-        if shape is not None and block.q is not None:
-            tree_verify.parents_q(shape, block.q)  # siblings must share their q row (one row per node)
+        tree = None if shape is None else tree_verify.check_block(shape, block, session.greedy)
         if block.kept and not session.sprinter:
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block {msg.seq} marks {block.kept} tokens as kept without verification, but this "
                                 "session verifies exactly; open it with verification 'sprinter' (lossy) or send kept=0")
         self.table.reserve(session, session.committed + k)
-        return block
+        return block, tree
 
     async def handle(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> verifier_pb2.VerifyResponse:
         """Verify one block (batched with concurrent sessions' blocks); a bad block gets a StreamError."""
         try:
-            block = self._check_block(session, msg)
+            block, tree = self._check_block(session, msg)
         except ProtocolError as exc:
             return _error(exc.code, exc.message, msg.seq)
         start_ns = time.time_ns()
-        result = await self.batcher.submit(VerifyJob(session=session, block=block))
+        result = await self.batcher.submit(VerifyJob(session=session, block=block, tree=tree))
         committed = session.committed + result.accepted + 1
         session.committed = committed
         session.pending = result.next_token

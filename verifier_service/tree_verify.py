@@ -10,7 +10,8 @@ the same batch keep theirs.
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import grpc
 import torch
@@ -21,7 +22,7 @@ from steerspec.sampling import SparseDist
 from steerspec.models.batched import packed_extend
 from steerspec.tree_decoding import finish_tree, tree_feed
 from steerspec.trees import TreeShape, node_q_rows, prefix, q_parents
-from steerspec.wire import ProtocolError, invalid
+from steerspec.wire import ProtocolError, WireBlock, invalid
 from verifier_service import fast_verify
 
 
@@ -63,6 +64,20 @@ def block_shape(tree: TreeShape, k: int, seq: int) -> TreeShape:
     return prefix(tree, k)
 
 
+@dataclass(frozen=True)
+class TreeBlock:
+    """A tree session's block as checked once on arrival: the nodes it carries and the distribution each
+    parent's children were drawn from (None when greedy), so the batch reuses them instead of redoing both."""
+
+    shape: TreeShape
+    q_at: Optional[Dict[int, SparseDist]]
+
+
+def check_block(shape: TreeShape, block: WireBlock, greedy: bool) -> TreeBlock:
+    """The `TreeBlock` of a block carrying `shape` (`block_shape`); INVALID_ARGUMENT when siblings' q rows differ."""
+    return TreeBlock(shape, None if (block.q is None or greedy) else parents_q(shape, block.q))
+
+
 @torch.inference_mode()
 def run(runner, jobs) -> List:
     """Tree jobs -> JobResults with their accepted paths: every tree scored in ONE packed pass
@@ -71,7 +86,9 @@ def run(runner, jobs) -> List:
 
     start = time.perf_counter()
     sessions = [job.session for job in jobs]
-    shapes = [block_shape(s.tree, job.block.k, job.block.seq) for s, job in zip(sessions, jobs)]
+    trees = [job.tree or check_block(block_shape(s.tree, job.block.k, job.block.seq), job.block, s.greedy)
+             for s, job in zip(sessions, jobs)]
+    shapes = [t.shape for t in trees]
     starts = [s.lm.length for s in sessions]
     fed = [tree_feed(s.pending, job.block.draft_ids.tolist(), shape, at)
            for s, job, shape, at in zip(sessions, jobs, shapes, starts)]
@@ -79,10 +96,9 @@ def run(runner, jobs) -> List:
     outs = packed_extend([s.lm for s in sessions], [f[0] for f in fed],
                          fast_verify._layers(runner) if want_hidden else None, [(f[1], f[2]) for f in fed])
     walked = []
-    for session, job, shape, at, out in zip(sessions, jobs, shapes, starts, outs):
-        q_at = None if (job.block.q is None or session.greedy) else parents_q(shape, job.block.q)
-        walked.append(finish_tree(session.lm, at, shape, job.block.draft_ids.tolist(), out,
-                                  DecodeConfig(sampling=session.params, acceptance=session.acceptance), q_at,
+    for session, job, tree, at, out in zip(sessions, jobs, trees, starts, outs):
+        walked.append(finish_tree(session.lm, at, tree.shape, job.block.draft_ids.tolist(), out,
+                                  DecodeConfig(sampling=session.params, acceptance=session.acceptance), tree.q_at,
                                   session.generator))
     steering = [None] * len(jobs)
     if want_hidden:
