@@ -4,8 +4,9 @@
 #        bash scripts/build_assets.sh smollm2        the three drafters for the real verifier `smollm2`: pretrained
 #        (code corpus), then the verifier's synthetic answers, then distilled and sd2 from pretrained on them
 #        (runs/smollm2/, every step resumable: rerun to continue; installed as assets/models/smollm2-*;
-#        the distilled and sd2 steps can run as two parallel jobs of 1 thread each; smollm2-heads then trains each
-#        drafter's Pacer, SpecDec++ and SPRINTER heads, SMOLLM2_HEADS_DRAFTERS choosing which drafters)
+#        the distilled and sd2 steps can run as two parallel jobs of 1 thread each; smollm2-temperature then
+#        calibrates each drafter's draft temperature and smollm2-heads trains each drafter's Pacer, SpecDec++ and
+#        SPRINTER heads, SMOLLM2_HEADS_DRAFTERS choosing which drafters)
 #        bash scripts/build_assets.sh smollm2 --device cuda   the same on a GPU (the smollm2 steps; DEVICE=cuda too):
 #        one synth worker instead of two; the tiny pair's steps always train on the CPU
 # Intermediate outputs (checkpoints) go to runs/assets/ (git-ignored); shipped files to steerspec/assets/.
@@ -58,7 +59,7 @@ for step in "${STEPS[@]}"; do
                "$0" smollm2-sd2 & sd2=$!
                status=0; wait "$distilled" || status=$?; wait "$sd2" || status=$?
                [ "$status" -eq 0 ] || { echo "build_assets.sh: smollm2-distilled or smollm2-sd2 failed (rerun to resume)" >&2; exit "$status"; }
-               "$0" smollm2-heads ;;
+               "$0" smollm2-temperature smollm2-heads ;;
     smollm2-pretrained)
                $PY -m steerspec train smollm2 --out runs/smollm2/trained --work runs/smollm2 \
                  --steps "${SMOLLM2_STEPS:-800}" --lr 1e-3 --batch-size 8 --seq-len 256 --seed 1234 --threads "$THREADS" \
@@ -91,6 +92,13 @@ for step in "${STEPS[@]}"; do
                cp runs/smollm2/$kind/{config.json,generation_config.json,drafter.safetensors,MODEL_CARD.md,train_report.json} \
                  $ASSETS/models/$step/
                if [ "$kind" = sd2 ]; then cp runs/smollm2/sd2/steering.{json,safetensors} $ASSETS/models/$step/; fi ;;
+    smollm2-temperature)  # each drafter's draft temperature (the scale of its logits that maximises one draft's
+               # acceptance on train-split answers), written into its config.json; before the heads, since
+               # SPRINTER's features hold q. A retrained drafter is saved uncalibrated, so this follows it
+               for d in ${SMOLLM2_HEADS_DRAFTERS:-smollm2-pretrained smollm2-distilled smollm2-sd2}; do
+                 $PY -m steerspec train temperature --verifier smollm2 --drafter $d --prompts 48 --max-new-tokens 64 \
+                   --seed 1 --threads "$THREADS" --write || exit $?
+               done ;;
     smollm2-heads)  # Pacer's and SpecDec++'s draft-length heads and the SPRINTER classifier of each drafter,
                # written into the drafter's package directory; one one-thread worker per drafter
                pids=()

@@ -11,7 +11,7 @@
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 3     # profile of 5 blocks, fp16, graphs off, hop, RTT 0
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 4     # the trainers' cuda tests (issue 19)
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 5     # build_assets.sh smollm2 --device cuda: drafters (19)
-#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 6     # the same: their Pacer, SpecDec++, SPRINTER heads
+#   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 6     # the same: draft temperatures, then Pacer, SpecDec++, SPRINTER heads
 #   . ./.gpu-prelude.sh && bash scripts/gpu_check.sh 7     # larger drafters from the shipped smollm2-pretrained:
 #     SMOLLM2_SYNTH_SHARDS answers' shards, SMOLLM2_DISTILL_STEPS steps (SMOLLM2_STEER_LR: SD²'s own
 #     steering learning rate); weights come back in 14 MiB pieces
@@ -78,7 +78,8 @@ case "$PART" in
       # STEERSPEC_SMOLLM2_GGUF naming its file; the cards and reports come back in one archive per part
   if [ "$PART" = 5 ]; then
     plan=(smollm2-pretrained:150 smollm2-synth:150 "smollm2-distilled smollm2-sd2":120)
-  else
+  else  # the drafters' draft temperatures first (on the CPU cores: one small pass per answer), then their heads
+    step smollm2-temperature 300 env PY="$PY" THREADS=8 bash scripts/build_assets.sh smollm2-temperature
     plan=(smollm2-heads:560)
   fi
   for s in "${plan[@]}"; do

@@ -105,3 +105,20 @@ def test_eval_sets_have_enough_valid_prompts(name):
 
         held = set(stdlib_split().heldout)
         assert all(r["source"].rsplit(":", 1)[0] in held for r in records)
+
+
+def test_smollm2_drafters_ship_their_calibrated_draft_temperature():
+    """Each shipped smollm2 drafter carries the draft temperature its calibration report chose, and its SPRINTER
+    head was trained at that temperature (resolve_head refuses a mismatch)."""
+    from steerspec.models.draft_temperature import CONFIG_KEY
+    from steerspec.sprinter.head import resolve_head
+    from steerspec.train.temperature import REPORT_NAME
+
+    for name in ("smollm2-pretrained", "smollm2-distilled", "smollm2-sd2"):
+        config = json.loads((MODELS / name / "config.json").read_text())
+        report = json.loads((MODELS / name / REPORT_NAME).read_text())
+        best = report["best"]
+        assert config[CONFIG_KEY] == best and 0 < best <= 1.0
+        assert report["acceptance"][str(best)] == max(report["acceptance"].values())
+        assert "## Draft temperature" in (MODELS / name / "MODEL_CARD.md").read_text()
+        assert resolve_head(MODELS / name).meta["draft_temperature"] == best

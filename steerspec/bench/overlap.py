@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -62,10 +62,18 @@ def verifier_answer(verifier, prompt: Sequence[int], max_new_tokens: int, seed: 
     return list(prompt) + list(autoregressive_generate(verifier, prompt, cfg).token_ids)
 
 
-@torch.no_grad()
 def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], prompt_len: int, delta: int,
                      top_k: int) -> Dict[str, Tensor]:
     """`overlaps` on the answer positions of one sequence; steered with offset δ when `steering`."""
+    p, q_logits = teacher_forced(verifier_model, drafter, steering, sequence, prompt_len, delta)
+    return overlaps(p, q_logits.float().softmax(-1), top_k)
+
+
+@torch.no_grad()
+def teacher_forced(verifier_model, drafter, steering, sequence: List[int], prompt_len: int,
+                   delta: int) -> Tuple[Tensor, Tensor]:
+    """(p [n, V] the verifier's probabilities, the drafter's logits [n, V]) at the n answer positions of one
+    sequence, the drafter steered with offset δ when `steering` (as in training validation)."""
     from steerspec.train.distill import gather_steering, steering_sources
 
     ids = torch.tensor([sequence])
@@ -79,7 +87,7 @@ def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], pro
         if steering is not None:
             steering.hooks.clear()
     answer = slice(prompt_len - 1, len(sequence) - 1)
-    return overlaps(out.logits[0, answer].float().softmax(-1), q_logits[0, answer].float().softmax(-1), top_k)
+    return out.logits[0, answer].float().softmax(-1), q_logits[0, answer]
 
 
 def run(args) -> int:

@@ -60,15 +60,19 @@ def describe() -> List[Dict[str, object]]:
 def reduced_row(path: Path) -> Dict[str, object]:
     """A bundled reduced drafter: its own parameters (the embedding and head rows it reads from its
     verifier at load time are not counted) and its draft vocabulary."""
+    from steerspec.models.draft_temperature import CONFIG_KEY
     from steerspec.models.reduced import REDUCED_KEY
 
     config = json.loads((path / "config.json").read_text())
     reduced = config[REDUCED_KEY]
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    temperature = config.get(CONFIG_KEY)
     return {
         "name": path.name, "alias": None, "installed": True,
         "parameters": count_parameters(path) - int(reduced["support_size"]),  # less the stored support ids
-        "architecture": f"{(config.get('architectures') or ['?'])[0]}, {reduced['support_size']:,}-token head",
+        "architecture": f"{(config.get('architectures') or ['?'])[0]}, {reduced['support_size']:,}-token head"
+                        + ("" if temperature is None else f", draft temperature {temperature}"),
+        "draft_temperature": temperature,
         "layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
         "context": config.get("max_position_embeddings"), "size_mb": round(size / 1e6, 2),
         "path": f"{path} (+ embedding and head rows of {reduced['verifier']})",

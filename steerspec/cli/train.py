@@ -1,4 +1,4 @@
-"""`steerspec train base|synth|distill|sd2|sprinter|pacer|specdecpp|smollm2`: the project's own training pipelines."""
+"""`steerspec train base|synth|distill|sd2|sprinter|pacer|specdecpp|smollm2|temperature`: the project's own training pipelines."""
 
 from steerspec.cli._dispatch import register_group
 
@@ -11,6 +11,8 @@ COMMANDS = (
     ("pacer", "steerspec.train.pacer", "train the Pacer pre-verification layer for a drafter (draft-length policy)"),
     ("specdecpp", "steerspec.train.specdecpp", "train the SpecDec++ rejection head for a drafter (draft-length policy)"),
     ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
+    ("temperature", "steerspec.train.temperature",
+     "calibrate a drafter's draft temperature (the scale of its logits that maximises acceptance)"),
 )
 
 

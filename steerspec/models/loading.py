@@ -107,11 +107,14 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
 
 
 def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "float32",
-               device: Union[str, torch.device] = "cpu", cpu_layout: bool = True):
+               device: Union[str, torch.device] = "cpu", cpu_layout: bool = True, draft_temperature: bool = True):
     """Load a causal LM from a local directory or bundled name, in eval mode on `device`.
 
     On a CPU its linear weights are stored input-major (`use_input_major_weights`) unless
-    `cpu_layout` is False (training that saves the model back should pass False)."""
+    `cpu_layout` is False (training that saves the model back should pass False). A drafter whose
+    config carries a calibrated draft temperature (`models/draft_temperature.py`) has it folded into its
+    head; `draft_temperature=False` gives the raw logits and drops the setting (training and calibration,
+    whose output must be calibrated afresh)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -123,22 +126,37 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
 
     if reduced.is_reduced_dir(path):
         model = reduced.load_reduced(path, dtype=torch_dtype).to(torch_device).eval()
-        model.requires_grad_(False)
-        if cpu_layout:
-            use_input_major_weights(model)
-        return model
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model from {path}: {str(exc).splitlines()[0]}") from exc
-    model.to(torch_device).eval()
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot load model from {path}: {str(exc).splitlines()[0]}") from exc
+        model.to(torch_device).eval()
+        if model.generation_config.pad_token_id is None and model.generation_config.eos_token_id is not None:
+            eos = model.generation_config.eos_token_id
+            model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     model.requires_grad_(False)
-    if model.generation_config.pad_token_id is None and model.generation_config.eos_token_id is not None:
-        eos = model.generation_config.eos_token_id
-        model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    _draft_temperature(model, path, draft_temperature)
     if cpu_layout:
         use_input_major_weights(model)
     return model
+
+
+def _draft_temperature(model, path: Path, apply: bool) -> None:
+    """Fold the config's calibrated draft temperature into the head, or (apply=False) drop the setting."""
+    from steerspec.models import draft_temperature
+
+    t = draft_temperature.configured(model.config)
+    if t is None:
+        return
+    if not apply:
+        draft_temperature.set_configured(model, None)
+        return
+    try:
+        draft_temperature.apply(model, t)
+    except ValueError as exc:
+        raise UsageError(f"{path}/config.json: {exc} ({draft_temperature.CONFIG_KEY}); rerun "
+                         "`steerspec train temperature` or remove the key") from None
 
 
 def use_input_major_weights(model) -> int:

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from steerspec.models import draft_temperature
+
 REDUCED_KEY = "steerspec_reduced"
 WEIGHTS_NAME = "drafter.safetensors"
 MASKED_LOGIT = -1e9  # softmax gives exactly 0; finite so isfinite checks and temperature scaling hold
@@ -134,6 +136,7 @@ def save_drafter(model, out: Path, dtype: torch.dtype = torch.float16, card: Opt
     config = model.config.to_dict()
     config["dtype"] = "float32"
     config["_name_or_path"] = ""  # where it was loaded from on the machine that trained it: not shipped
+    config.pop(draft_temperature.CONFIG_KEY, None)  # calibrated for the weights it was read from, not these
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     if card:

@@ -92,10 +92,23 @@ def resolve_head(drafter_dir: Union[str, Path], head: Optional[Union[str, Path]]
                  device: Union[str, torch.device] = "cpu") -> LoadedHead:
     """The explicit head directory, or the drafter's own; UsageError naming the drafter when none."""
     if head is not None:
-        return load_head(head, device)
+        return _check_temperature(load_head(head, device), drafter_dir)
     path = head_dir_for(drafter_dir)
     if not (path / WEIGHTS).is_file():
         raise UsageError(f"sprinter needs a classifier head for the drafter {drafter_dir} and it has none "
                          f"({path}); train one with `steerspec train sprinter --drafter {drafter_dir}` "
                          f"or pass --sprinter-head DIR")
-    return load_head(path, device)
+    return _check_temperature(load_head(path, device), drafter_dir)
+
+
+def _check_temperature(loaded: LoadedHead, drafter_dir: Union[str, Path]) -> LoadedHead:
+    """UsageError unless the head was trained on the drafter's q as calibrated now (its features hold q(x)
+    and H(q), which a draft temperature changes): a head from before a calibration would misjudge tokens."""
+    from steerspec.models.draft_temperature import of_dir
+
+    want, have = of_dir(drafter_dir) or 1.0, float(loaded.meta.get("draft_temperature") or 1.0)
+    if abs(want - have) > 1e-9:
+        raise UsageError(f"the SPRINTER head {loaded.path} was trained on the drafter at draft temperature {have:g}, "
+                         f"but {drafter_dir} is calibrated at {want:g}; retrain it with "
+                         f"`steerspec train sprinter --drafter {drafter_dir}`")
+    return loaded

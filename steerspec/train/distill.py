@@ -537,7 +537,7 @@ def load_pair(args, data: SyntheticSet):
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
     verifier = load_model(vdir, device=device) if data.teacher is None else None
     vconfig = verifier.config if verifier is not None else AutoConfig.from_pretrained(str(vdir), local_files_only=True)
-    drafter = load_model(ddir, device=device, cpu_layout=False)  # trained, then saved
+    drafter = load_model(ddir, device=device, cpu_layout=False, draft_temperature=False)  # trained, then saved
     if vconfig.vocab_size != drafter.config.vocab_size:
         raise UsageError(f"verifier vocab {vconfig.vocab_size} != drafter vocab {drafter.config.vocab_size}")
     return verifier, vconfig, drafter, ddir, vdir

@@ -232,7 +232,7 @@ position that sampled x, the input embedding of x, q(x), log q(x) and the entrop
 - Architecture: LayerNorm({feature_dim}) → Linear({feature_dim}, {hidden}) → GELU → Linear({hidden}, 1);
   {params} parameters.
 - Labels: {labels_line}; teacher-forced windows of {seq_len} tokens from the stdlib training split,
-  x drawn from the drafter's draft distribution at T = 1 (top {draft_top_k} + spread tail).
+  x drawn from the drafter's draft distribution at T = 1 (top {draft_top_k} + spread tail{temperature_line}).
 - Training: {train_tokens} tokens, {epochs} epochs, AdamW lr {lr}, {loss_line}, seed {seed}.
 - Held-out ({heldout_tokens} tokens from held-out files): ROC AUC {roc_auc:.3f}; at threshold
   {threshold:g}: η_TP = {eta_tp:.3f}, η_FP = {eta_fp:.3f}; acceptable fraction {acceptable_fraction:.3f}.
@@ -246,6 +246,7 @@ bounds the deviation from the verifier's distribution by η_FP · d_TV(p, q); de
 
 def run(args: argparse.Namespace) -> int:
     from steerspec.models import load_model, load_tokenizer, resolve_model_dir
+    from steerspec.models.draft_temperature import configured
     from steerspec.data.corpus import stdlib_split
     from steerspec.sprinter.features import feature_dim
     from steerspec.sprinter.head import SprinterHead, head_dir_for, save_head
@@ -276,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
            "draft_top_k": args.draft_top_k, "seed": args.seed}
     if steering is not None:
         key.update(steered=True, max_offset=args.max_offset)
+    if configured(drafter.config) is not None:  # q, and with it every feature and label, depends on it
+        key.update(draft_temperature=configured(drafter.config))
     resume = not args.no_resume
     data = None
     if resume and cache.exists():
@@ -310,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
             "draft_top_k": args.draft_top_k, "seq_len": args.seq_len, "seed": args.seed,
             "heldout": metrics, "train": train_metrics, "losses": [round(x, 6) for x in losses],
             "command": command}
+    if configured(drafter.config) is not None:
+        meta["draft_temperature"] = configured(drafter.config)
     save_head(head, out, meta)
     params = sum(p.numel() for p in head.parameters())
     (out / "MODEL_CARD.md").write_text(MODEL_CARD.format(
@@ -319,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
                      f"x), so the head predicts that chance and the threshold is a floor on it; the η's below "
                      f"use the binary label q(x)/p(x) ≤ λ"),
         loss_line="class-balanced BCE" if args.labels == "binary" else "BCE on the soft labels",
+        temperature_line=("" if configured(drafter.config) is None else
+                          f", the drafter's calibrated draft temperature {configured(drafter.config):g} applied"),
         seq_len=args.seq_len, draft_top_k=args.draft_top_k, train_tokens=len(data["train"]["y"]),
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
