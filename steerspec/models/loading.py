@@ -150,7 +150,7 @@ def _draft_temperature(model, path: Path, apply: bool) -> None:
     if t is None:
         return
     if not apply:
-        draft_temperature.set_configured(model, None)
+        draft_temperature.clear(model.config)
         return
     try:
         draft_temperature.apply(model, t)

@@ -277,8 +277,9 @@ def run(args: argparse.Namespace) -> int:
            "draft_top_k": args.draft_top_k, "seed": args.seed}
     if steering is not None:
         key.update(steered=True, max_offset=args.max_offset)
-    if configured(drafter.config) is not None:  # q, and with it every feature and label, depends on it
-        key.update(draft_temperature=configured(drafter.config))
+    temperature = configured(drafter.config)  # q, and with it every feature and label, depends on it
+    if temperature is not None:
+        key.update(draft_temperature=temperature)
     resume = not args.no_resume
     data = None
     if resume and cache.exists():
@@ -313,8 +314,8 @@ def run(args: argparse.Namespace) -> int:
             "draft_top_k": args.draft_top_k, "seq_len": args.seq_len, "seed": args.seed,
             "heldout": metrics, "train": train_metrics, "losses": [round(x, 6) for x in losses],
             "command": command}
-    if configured(drafter.config) is not None:
-        meta["draft_temperature"] = configured(drafter.config)
+    if temperature is not None:
+        meta["draft_temperature"] = temperature
     save_head(head, out, meta)
     params = sum(p.numel() for p in head.parameters())
     (out / "MODEL_CARD.md").write_text(MODEL_CARD.format(
@@ -324,8 +325,8 @@ def run(args: argparse.Namespace) -> int:
                      f"x), so the head predicts that chance and the threshold is a floor on it; the η's below "
                      f"use the binary label q(x)/p(x) ≤ λ"),
         loss_line="class-balanced BCE" if args.labels == "binary" else "BCE on the soft labels",
-        temperature_line=("" if configured(drafter.config) is None else
-                          f", the drafter's calibrated draft temperature {configured(drafter.config):g} applied"),
+        temperature_line=("" if temperature is None else
+                          f", the drafter's calibrated draft temperature {temperature:g} applied"),
         seq_len=args.seq_len, draft_top_k=args.draft_top_k, train_tokens=len(data["train"]["y"]),
         heldout_tokens=metrics["tokens"], epochs=args.epochs, lr=args.lr, seed=args.seed,
         threshold=args.threshold, command=command, **{k: metrics[k] for k in
