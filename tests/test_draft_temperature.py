@@ -96,6 +96,8 @@ def test_train_temperature_writes_the_best_of_its_grid(tmp_path, capsys):
     report = json.loads((drafter / "draft_temperature.json").read_text())
     assert set(report["acceptance"]) == {"0.6", "0.8", "1.0", "1.2"} and report["positions"] > 0
     assert report["acceptance"][str(report["best"])] == max(report["acceptance"].values())
+    assert report["command"] == (f"steerspec train temperature --verifier verifier --drafter {drafter} --prompts 3 "
+                                 "--max-new-tokens 12 --grid 0.6,0.8,1.2 --draft-top-k 64 --k 4 --seed 1 --threads 1 --write")
     assert json.loads((drafter / "config.json").read_text())[CONFIG_KEY] == report["best"]
     assert "best draft temperature" in capsys.readouterr().out
     write_card(drafter, report)  # a later calibration replaces the card's section

@@ -92,6 +92,7 @@ def teacher_forced(verifier_model, drafter, steering, sequence: List[int], promp
 
 def run(args) -> int:
     from steerspec.bench.sd2 import _names, drafter_dirs, load_prompts
+    from steerspec.cli._dispatch import command_line
     from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from steerspec.steering.runtime import maybe_steering
 
@@ -124,9 +125,7 @@ def run(args) -> int:
             results[set_name][label] = {key: round(float(torch.cat([p[key] for p in parts]).mean()), 4)
                                         for key in ("full", "top_k", "top_k_tail", "kl")}
             results[set_name][label]["positions"] = sum(len(p["kl"]) for p in parts)
-    report = {"command": "steerspec bench overlap " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                  if k != "func" and not k.endswith("_command") and v is not None),
+    report = {"command": command_line("steerspec bench overlap", args),
               "config": {"verifier": str(vdir), "draft_top_k": args.draft_top_k, "k": args.k, "seed": args.seed,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit},
               "elapsed_s": round(time.time() - started, 1), "results": results}

@@ -122,6 +122,7 @@ def write_card(drafter_dir: Path, report: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from steerspec.cli._dispatch import command_line
     from steerspec.models.loading import load_model, load_tokenizer, resolve_model_dir
     from steerspec.steering.runtime import maybe_steering
 
@@ -137,9 +138,7 @@ def run(args: argparse.Namespace) -> int:
     pairs = verifier_answers(verifier, tok, args.prompts, args.max_new_tokens, args.seed)
     scores = calibrate(verifier, drafter, steering, pairs, grid, args.draft_top_k, args.k)
     best = max(grid, key=lambda t: (round(scores[t], 6), -abs(t - 1.0)))  # ties go to the plainer t
-    report = {"command": "steerspec train temperature " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                  if k not in ("func", "write", "command") and not k.endswith("_command")) + (" --write" if args.write else ""),
+    report = {"command": command_line("steerspec train temperature", args),
               "verifier": str(vdir), "drafter": str(ddir), "positions": sum(len(s) - len(i) for i, s in pairs),
               "acceptance": {str(t): round(v, 5) for t, v in scores.items()}, "best": best,
               "gain_over_1": round(scores[best] / scores[1.0] - 1.0, 5), "elapsed_s": round(time.time() - started, 1)}
