@@ -45,7 +45,7 @@ class VerifyJob:
 
     session: VerifierSession
     block: WireBlock
-    tree: Optional[TreeBlock] = None  # a tree session's block as `tree_verify.check_block` checked it
+    tree: Optional[TreeBlock] = None  # set for every tree session's block: `tree_verify.check_block` (None: a chain)
     submitted: float = field(default_factory=time.perf_counter)
     future: Optional[asyncio.Future] = None
 
