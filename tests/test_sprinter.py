@@ -388,8 +388,11 @@ def test_bench_sprinter_runs_specdecpp_and_adaedl_beside_exact_and_sprinter(caps
                              "--winrate-tokens", "5", "--tv-samples", "0", "--thresholds", "0.4", "--k", "4",
                              "--rtts", "0,50", "--out", str(out))
     assert code == 0, err
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert list(rows) == ["exact", "specdecpp", "adaedl", "sprinter@0.4"]
+    assert report["command"].startswith("steerspec bench sprinter ") and "--thresholds 0.4" in report["command"]
+    assert report["machine"]["logical_cores"] >= 1
     for name in ("specdecpp", "adaedl"):
         row = rows[name]
         assert row["lossy"] is False and "eta_fp" not in row and row["tokens"] >= 1

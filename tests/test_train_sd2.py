@@ -253,6 +253,7 @@ def test_bench_sd2_writes_table_json_and_chart(tmp_path, tiny_pair):
     assert {"indist_sd2_vs_pretrained_ge_30pct", "steering_overhead_le_5pct"} <= set(report["targets"])
     assert {"tests_sd2_not_below_distilled", "docs_sd2_not_below_pretrained"} <= set(report["targets"])
     assert "--command" not in report["command"] and report["command"].startswith("steerspec bench sd2 --verifier")
+    assert " --no-services" in report["command"] and "True" not in report["command"]  # a set flag, bare
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "tau_services" not in row and report["config"]["services"] is None  # --no-services
 

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from steerspec.cli._dispatch import command_line
 from steerspec.errors import UsageError
 
 DEFAULT_DRAFTERS = "pretrained,distilled,sd2"
@@ -423,8 +424,7 @@ def run(args) -> int:
 
     targets = check_targets(results, labels, steer_info)
     report = {
-        "command": "steerspec bench sd2 " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                     if k not in ("func", "command") and not k.endswith("_command") and v not in (None, False)),
+        "command": command_line("steerspec bench sd2", args),
         "config": {"verifier": str(vdir), "drafters": labels, "sets": sets, "seeds": seeds, "k": args.k,
                    "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
                    "draft_tail": not args.no_draft_tail,

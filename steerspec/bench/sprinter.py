@@ -260,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
         cells += [_interval(row, "ppl_ratio"), _interval(row, "ppl_excess"), _interval(row, "ppl_drift"),
                   f"{row['win_tie_rate']:.2f}"]
         print(" | ".join(cells))
-    payload = {"bench": "sprinter", "verifier": str(args.verifier), "drafter": str(args.drafter),
-               "head": str(loaded.path), "lambda": loaded.lam, "temperature": args.temperature, "k": args.k,
+    payload = {"bench": "sprinter", **_provenance(args), "verifier": str(args.verifier),
+               "drafter": str(args.drafter), "head": str(loaded.path), "lambda": loaded.lam, "temperature": args.temperature, "k": args.k,
                "policies": specs, "max_run": args.max_run, "prompts": len(prompts), "seeds": args.seeds,
                "max_new_tokens": args.max_new_tokens, "rtts_ms": rtts, "tv_samples": args.tv_samples,
                "rtt_model": "tokens / (in-process wall + verifier calls * RTT)", "rows": rows,
@@ -272,6 +272,14 @@ def run(args: argparse.Namespace) -> int:
     _plot(rows, rtts, png)
     print(f"wrote {args.out} and {png}")
     return 0
+
+
+def _provenance(args: argparse.Namespace) -> Dict[str, object]:
+    """The command line and the machine a run's JSON records, as the other benches' do."""
+    from steerspec.bench.host import host_info
+    from steerspec.cli._dispatch import command_line
+
+    return {"command": command_line("steerspec bench sprinter", args), "machine": host_info()}
 
 
 def _interval(row: Dict, key: str) -> str:
@@ -294,8 +302,8 @@ def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thr
         sprinter_head=args.sprinter_head, policies=specs))
     for line in sprinter_services.table(rows):
         print(line)
-    payload = {"bench": "sprinter", "mode": "services", "verifier": str(args.verifier), "drafter": str(args.drafter),
-               "head": str(loaded.path), "temperature": args.temperature, "k": args.k, "max_run": args.max_run,
+    payload = {"bench": "sprinter", "mode": "services", **_provenance(args), "verifier": str(args.verifier),
+               "drafter": str(args.drafter), "head": str(loaded.path), "temperature": args.temperature, "k": args.k, "max_run": args.max_run,
                "prompts": len(prompts), "seeds": args.seeds, "max_new_tokens": args.max_new_tokens,
                "rtts_ms": rtts, "threads": args.threads, "policies": specs, "rows": rows,
                "rtt_model": "measured: services on 127.0.0.1, coordinator-verifier link emulated (linkemu)",
