@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['win_tie_rate']:.2f}"]
         print(" | ".join(cells))
     payload = {"bench": "sprinter", **_provenance(args), "verifier": str(args.verifier),
-               "drafter": str(args.drafter), "head": str(loaded.path), "lambda": loaded.lam, "temperature": args.temperature, "k": args.k,
+               "drafter": str(args.drafter), "head": str(loaded.path), "lambda": loaded.lam,
+               "temperature": args.temperature, "k": args.k,
                "policies": specs, "max_run": args.max_run, "prompts": len(prompts), "seeds": args.seeds,
                "max_new_tokens": args.max_new_tokens, "rtts_ms": rtts, "tv_samples": args.tv_samples,
                "rtt_model": "tokens / (in-process wall + verifier calls * RTT)", "rows": rows,
@@ -303,7 +304,8 @@ def _run_services(args: argparse.Namespace, verifier, drafter, prompts, eos, thr
     for line in sprinter_services.table(rows):
         print(line)
     payload = {"bench": "sprinter", "mode": "services", **_provenance(args), "verifier": str(args.verifier),
-               "drafter": str(args.drafter), "head": str(loaded.path), "temperature": args.temperature, "k": args.k, "max_run": args.max_run,
+               "drafter": str(args.drafter), "head": str(loaded.path), "temperature": args.temperature,
+               "k": args.k, "max_run": args.max_run,
                "prompts": len(prompts), "seeds": args.seeds, "max_new_tokens": args.max_new_tokens,
                "rtts_ms": rtts, "threads": args.threads, "policies": specs, "rows": rows,
                "rtt_model": "measured: services on 127.0.0.1, coordinator-verifier link emulated (linkemu)",
