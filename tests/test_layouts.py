@@ -253,3 +253,57 @@ def test_one_row_reads_the_packed_copies_only_where_this_machine_measured_them_f
             want.append(int(plain.extend([want[-1] if want else 5]).logits[-1].argmax()))
         assert steps == want
     verifier.__dict__.pop(ONE_ROW_ATTR, None)
+
+
+@needs_onednn
+def test_a_disturbed_one_row_timing_is_retried_and_redone_by_later_wrappers(verifier, monkeypatch):
+    """Other work on the cores during the one-row timing (a process starting beside it) once flipped the
+    verdict for a whole run. An attempt whose passes spread over 25% is retried; the first steady attempt
+    decides; if none is steady the fastest pass of each layout decides and the next wrappers time again."""
+    from steerspec.models.kv import ONE_ROW_ATTR
+
+    monkeypatch.delenv(ONEDNN_ENV, raising=False)
+    threads = torch.get_num_threads()
+    script: list = []
+    calls = []
+
+    current: dict = {}
+
+    def scripted(self, rows_from):  # one scripted round per pair of passes (the packed layout is timed first)
+        calls.append(rows_from)
+        if rows_from == 1:
+            current.update(script.pop(0))
+        return current[rows_from]
+
+    monkeypatch.setattr(FastCachedLM, "_time_one_row", scripted)
+    steady = {1: 0.034, 2: 0.043}              # packed copies 21% faster
+    noisy_slow_packed = {1: 0.090, 2: 0.045}  # a disturbed pass of the packed layout
+    # warm-up round, then a disturbed attempt (packed looks slower in its median), then a steady one
+    script[:] = [steady] + [noisy_slow_packed, steady, noisy_slow_packed, steady, noisy_slow_packed] + [steady] * 5
+    verifier.__dict__.pop(ONE_ROW_ATTR, None)
+    lm = FastCachedLM(verifier)
+    assert lm.onednn_min_rows == 1 and not script and len(calls) == 2 * 11
+    assert verifier.__dict__[ONE_ROW_ATTR] == {threads: True}  # steady: no later timing
+    calls.clear()
+    FastCachedLM(verifier)
+    assert calls == []
+
+    # never steady: the fastest passes decide (packed), and the next two wrappers time again
+    unsteady = [{1: 0.034, 2: 0.043}, {1: 0.090, 2: 0.120}]
+    script[:] = [unsteady[0]] + [unsteady[i % 2] for i in range(15)]
+    verifier.__dict__.pop(ONE_ROW_ATTR, None)
+    assert FastCachedLM(verifier).onednn_min_rows == 1 and not script
+    assert verifier.__dict__[ONE_ROW_ATTR] == {threads: True, ("retime", threads): 2}
+    script[:] = [{1: 0.050, 2: 0.043}] * 5  # the next wrapper's first attempt is steady: input-major wins
+    calls.clear()
+    assert FastCachedLM(verifier).onednn_min_rows == 2 and len(calls) == 10 and not script
+    assert verifier.__dict__[ONE_ROW_ATTR] == {threads: False}
+    calls.clear()
+    FastCachedLM(verifier)
+    assert calls == []
+
+    # a verdict set by hand (the dict replaced) is never retimed
+    verifier.__dict__[ONE_ROW_ATTR] = {threads: False}
+    FastCachedLM(verifier)
+    assert calls == []
+    verifier.__dict__.pop(ONE_ROW_ATTR, None)
