@@ -188,6 +188,7 @@ class FastCachedLM(CachedLM):
     ONE_ROW_MARGIN = 0.97  # oneDNN for one row only where it is more than 3% faster (as `bench layouts` says)
     ONE_ROW_STEADY = 1.25  # an attempt whose slowest pass took over 25% longer than its fastest was disturbed
     ONE_ROW_RETIMES = 2  # after a disturbed timing, later wrappers of the same model time it again this often
+    ONE_ROW_JITTER_S = 0.002  # passes faster than this spread by timer jitter, not contention: steady as they are
 
     def _choose_one_row_layout(self, repeats: int = 5, attempts: int = 3) -> None:
         """Time a one-row pass on the model's input-major weights and on the oneDNN-packed copies, and
@@ -211,8 +212,8 @@ class FastCachedLM(CachedLM):
     def _time_one_row_layouts(self, repeats: int, attempts: int, warm: bool) -> Tuple[bool, bool]:
         """(packed copies faster for one row, whether an undisturbed attempt said so). Each attempt times
         `repeats` interleaved passes of each layout; the first whose passes all lie within ONE_ROW_STEADY
-        of their fastest decides by medians, else the fastest pass of each layout over every attempt does
-        (other work only ever adds time)."""
+        of their fastest (or are too fast to tell: a tiny model, decided as before) decides by medians,
+        else the fastest pass of each layout over every attempt does (other work only ever adds time)."""
         layouts = (1, DEFAULT_ONEDNN_MIN_ROWS)
         seen = {rows: [] for rows in layouts}
         for attempt in range(attempts):
@@ -224,7 +225,8 @@ class FastCachedLM(CachedLM):
                         times[rows_from].append(elapsed)
             for rows in layouts:
                 seen[rows] += times[rows]
-            if all(max(t) <= self.ONE_ROW_STEADY * min(t) for t in times.values()):
+            if all(max(t) <= self.ONE_ROW_STEADY * min(t) or min(t) < self.ONE_ROW_JITTER_S
+                   for t in times.values()):
                 one, default = (statistics.median(times[rows]) for rows in layouts)
                 return one < self.ONE_ROW_MARGIN * default, True
         one, default = (min(seen[rows]) for rows in layouts)
