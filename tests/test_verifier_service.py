@@ -394,21 +394,6 @@ async def test_a_long_prompt_is_prefilled_in_chunks_with_the_loop_running(model,
     torch.testing.assert_close(replies[3][0], replies[0][0], atol=1e-5, rtol=1e-4)
 
 
-def test_inline_compute_follows_the_models_device(monkeypatch):
-    """CPU models compute inline, GPU models on a compute thread; the environment variable overrides."""
-    from types import SimpleNamespace
-
-    from steerspec.compute import INLINE_ENV, inline_compute
-
-    cpu, gpu = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=SimpleNamespace(type="cuda"))
-    monkeypatch.delenv(INLINE_ENV, raising=False)
-    assert inline_compute(cpu) and not inline_compute(gpu)
-    monkeypatch.setenv(INLINE_ENV, "0")
-    assert not inline_compute(cpu)
-    monkeypatch.setenv(INLINE_ENV, "1")
-    assert inline_compute(gpu)
-
-
 async def test_cancelling_a_session_mid_batch_keeps_the_batch_exact(model, monkeypatch):
     """A stream cancelled while its block is in a batch on the compute thread (a GPU replica's; forced
     here): the batch still runs on that session's cache, the other session's result is exact, and the
@@ -532,18 +517,3 @@ async def test_the_weight_copies_of_multi_row_passes_are_made_before_serving(tmp
         assert len(fresh.__dict__[attr]) == 7 * fresh.config.num_hidden_layers + 1
     finally:
         await srv.stop()
-
-
-def test_serve_verifier_prefill_chunk_flag():
-    """--prefill-chunk defaults to the config's 512 and refuses a negative count in one line."""
-    import argparse
-
-    from steerspec.errors import UsageError
-    from verifier_service import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert parser.parse_args([]).prefill_chunk == VerifierConfig().prefill_chunk == 512
-    assert parser.parse_args(["--prefill-chunk", "0"]).prefill_chunk == 0
-    with pytest.raises(UsageError, match="--prefill-chunk"):
-        cli.run(parser.parse_args(["--prefill-chunk", "-1"]))

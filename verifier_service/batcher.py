@@ -30,6 +30,7 @@ from steerspec.batching import WindowBatcher
 from steerspec import verifying
 from steerspec.models.batched import packed_extend
 from steerspec.models.kv import FastCachedLM
+from steerspec.models.loading import cache_kwarg
 from steerspec.verifying import VerifyRow
 from steerspec.wire import WireBlock
 from verifier_service import fast_verify
@@ -111,7 +112,7 @@ class VerifyRunner:
             lm.extend(feed, logits_to_keep=1)
             return None
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=lm.cache, use_cache=True, logits_to_keep=1,
+        out = self.model(input_ids=ids, **{cache_kwarg(self.model): lm.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=True)
         lm.length += len(feed)
         zero = torch.zeros(1, dtype=torch.long)
@@ -180,7 +181,8 @@ class VerifyRunner:
             return lm.extend(feed).logits.unsqueeze(0), None
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         try:
-            out = self.model(input_ids=ids, past_key_values=lm.cache, use_cache=True, output_hidden_states=True)
+            out = self.model(input_ids=ids, **{cache_kwarg(self.model): lm.cache}, use_cache=True,
+                             output_hidden_states=True)
         except BaseException:
             lm.reset()
             raise
@@ -218,7 +220,7 @@ class VerifyRunner:
                         values[i, :, :n] = own.values[0, :, :n]
                 cache.update(keys, values, layer)
         out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                         position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+                         position_ids=positions.to(device), **{cache_kwarg(self.model): cache}, use_cache=True,
                          output_hidden_states=want_hidden)
         new_kv = [(lay.keys[:, :, l_max:], lay.values[:, :, l_max:]) for lay in cache.layers]
         return out.logits, out.hidden_states, new_kv
