@@ -264,12 +264,11 @@ def test_a_disturbed_one_row_timing_is_retried_and_redone_by_later_wrappers(veri
 
     monkeypatch.delenv(ONEDNN_ENV, raising=False)
     threads = torch.get_num_threads()
-    script: list = []
-    calls = []
-
+    script: list = []  # one scripted round per pair of passes
+    calls: list = []
     current: dict = {}
 
-    def scripted(self, rows_from):  # one scripted round per pair of passes (the packed layout is timed first)
+    def scripted(self, rows_from):  # the packed layout (1) is timed first in each round
         calls.append(rows_from)
         if rows_from == 1:
             current.update(script.pop(0))
