@@ -73,6 +73,7 @@ class VerifyRunner:
         self.head = steering_head
         self.device = model.device
         self.config = model.config
+        self._cache_arg = cache_kwarg(model)  # the name transformers' forward takes the KV cache by
 
     # ------------------------------------------------------------------ helpers
     def _steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
@@ -112,7 +113,7 @@ class VerifyRunner:
             lm.extend(feed, logits_to_keep=1)
             return None
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, **{cache_kwarg(self.model): lm.cache}, use_cache=True, logits_to_keep=1,
+        out = self.model(input_ids=ids, **{self._cache_arg: lm.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=True)
         lm.length += len(feed)
         zero = torch.zeros(1, dtype=torch.long)
@@ -181,7 +182,7 @@ class VerifyRunner:
             return lm.extend(feed).logits.unsqueeze(0), None
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         try:
-            out = self.model(input_ids=ids, **{cache_kwarg(self.model): lm.cache}, use_cache=True,
+            out = self.model(input_ids=ids, **{self._cache_arg: lm.cache}, use_cache=True,
                              output_hidden_states=True)
         except BaseException:
             lm.reset()
@@ -220,7 +221,7 @@ class VerifyRunner:
                         values[i, :, :n] = own.values[0, :, :n]
                 cache.update(keys, values, layer)
         out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                         position_ids=positions.to(device), **{cache_kwarg(self.model): cache}, use_cache=True,
+                         position_ids=positions.to(device), **{self._cache_arg: cache}, use_cache=True,
                          output_hidden_states=want_hidden)
         new_kv = [(lay.keys[:, :, l_max:], lay.values[:, :, l_max:]) for lay in cache.layers]
         return out.logits, out.hidden_states, new_kv
