@@ -215,14 +215,15 @@ class FastCachedLM(CachedLM):
         of their fastest (or are too fast to tell: a tiny model, decided as before) decides by medians,
         else the fastest pass of each layout over every attempt does (other work only ever adds time)."""
         layouts = (1, DEFAULT_ONEDNN_MIN_ROWS)
+        if warm:  # a first, untimed round warms both up
+            for rows_from in layouts:
+                self._time_one_row(rows_from)
         seen = {rows: [] for rows in layouts}
-        for attempt in range(attempts):
+        for _ in range(attempts):
             times = {rows: [] for rows in layouts}
-            for rep in range(repeats + int(warm and attempt == 0)):  # a first round warms both up
+            for _ in range(repeats):
                 for rows_from in layouts:
-                    elapsed = self._time_one_row(rows_from)
-                    if rep or not (warm and attempt == 0):
-                        times[rows_from].append(elapsed)
+                    times[rows_from].append(self._time_one_row(rows_from))
             for rows in layouts:
                 seen[rows] += times[rows]
             if all(max(t) <= self.ONE_ROW_STEADY * min(t) or min(t) < self.ONE_ROW_JITTER_S
