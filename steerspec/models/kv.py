@@ -325,10 +325,10 @@ class FastCachedLM(CachedLM):
         return current.plans, current.head
 
     def project(self, normed: Tensor, head: Optional[Tuple[Tensor, Optional[Tensor]]] = None) -> Tensor:
-        """Final-normed hidden states -> full-vocabulary logits (`head`: this weight and bias instead)."""
-        if self._head_module is not None:
-            return self._head_module(normed)
-        return kernel_linear(normed, *(head or self._head))
+        """Final-normed hidden states -> full-vocabulary logits (`head`: this weight and bias instead, e.g.
+        a layout copy). A reduced head's support logits come from the same copies, then scatter."""
+        logits = kernel_linear(normed, *(head or self._head))
+        return logits if self._head_module is None else self._head_module.scatter(logits)
 
     def set_up_bias(self, biases: Optional[Sequence[Optional[Tensor]]]) -> None:
         """SD² steering: add biases[l] ([intermediate]) to the up branch of layer l; None clears."""

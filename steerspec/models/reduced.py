@@ -49,7 +49,10 @@ class ReducedHead(nn.Module):
         return F.linear(hidden, self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        small = self.reduced(hidden)
+        return self.scatter(self.reduced(hidden))
+
+    def scatter(self, small: Tensor) -> Tensor:
+        """[..., N] support logits -> [..., V] full-vocabulary logits, MASKED_LOGIT off the support."""
         out = small.new_full(small.shape[:-1] + (self.vocab_size,), masked_logit(small.dtype))
         out.index_copy_(-1, self.support, small)
         return out
