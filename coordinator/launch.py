@@ -81,6 +81,7 @@ class Services:
     drafter: object = "pretrained"
     drafters: int = 1
     dtype: str = "float32"
+    drafter_dtype: Optional[str] = None  # None: `dtype`; "auto": bfloat16 on a CPU with native bf16
     device: str = "cpu"
     link: LinkModel = NO_LINK
     tokenizer: object = "auto"
@@ -143,7 +144,8 @@ class RayDeployment:
         link = s.link.validate()
         tokenizer = s.verifier if s.tokenizer == "auto" else s.tokenizer
         return ray_app.deploy(
-            verifier=str(s.verifier), drafter=str(s.drafter), drafters=s.drafters, dtype=s.dtype, device=s.device,
+            verifier=str(s.verifier), drafter=str(s.drafter), drafters=s.drafters, dtype=s.dtype,
+            drafter_dtype=s.drafter_dtype, device=s.device,
             tokenizer=str(tokenizer) if tokenizer else None, rtt_ms=link.rtt_ms, jitter_ms=link.jitter_ms,
             bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed, redis_url=s.redis_url,
             trace_file=s.trace_file, num_threads=s.num_threads or 0, steering_head=s.steering_dir(),
@@ -205,7 +207,7 @@ def launch(services: Services, deployment: str = "local", *, address: Optional[s
 
     return LocalCluster(services.verifier, services.drafter, drafters=services.drafters,
                         link=services.link.validate(), tokenizer=services.tokenizer, dtype=services.dtype,
-                        device=services.device, verifier_options=dict(services.verifier_options),
+                        drafter_dtype=services.drafter_dtype, device=services.device, verifier_options=dict(services.verifier_options),
                         drafter_options=dict(services.drafter_options), num_threads=services.num_threads,
                         trace_file=services.trace_file, redis_url=services.redis_url,
                         allow_lossy=services.allow_lossy)
@@ -233,6 +235,7 @@ def run_distributed(args, prompt_ids: Sequence[int]):
     services = Services(verifier=str(_arg(args, "verifier", "verifier")),
                         drafter=str(_arg(args, "drafter", "pretrained")),
                         drafters=1 if mode == "speculative" else 0, dtype=_arg(args, "dtype", "float32"),
+                        drafter_dtype=_arg(args, "drafter_dtype", None),
                         device=_arg(args, "device", "cpu"), link=link_from_args(args),
                         num_threads=int(_arg(args, "threads", 0)), trace_file=_arg(args, "trace_file", None),
                         allow_lossy=lossy,  # an absolute head path: Ray's drafter actors run elsewhere

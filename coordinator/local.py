@@ -52,6 +52,7 @@ class LocalCluster:
     tokenizer: object = "auto"
     eos_ids: Optional[Sequence[int]] = None
     dtype: str = "float32"
+    drafter_dtype: Optional[str] = None  # None: `dtype`; "auto": bfloat16 on a CPU with native bf16 (layouts.drafter_dtype)
     device: str = "cpu"
     verifier_options: dict = field(default_factory=dict)  # VerifierConfig fields
     drafter_options: dict = field(default_factory=dict)  # DrafterConfig fields
@@ -124,13 +125,15 @@ class LocalCluster:
             self.verifier_targets.append(running.target)
         if self.drafters:
             from drafter_service.server import DrafterConfig, serve as serve_drafter
+            from steerspec.models.layouts import drafter_dtype
 
+            dtype = drafter_dtype(self.drafter_dtype, self.dtype, self.device)
             if steering_dir is not None:  # the drafter's own loader attaches its W_s hooks
                 from drafter_service.cli import load_drafter
 
-                drafter_model, hooks = load_drafter(steering_dir, self.dtype, self.device, steering=steering_dir)
+                drafter_model, hooks = load_drafter(steering_dir, dtype, self.device, steering=steering_dir)
             else:
-                drafter_model, hooks = _load(self.drafter, self.dtype, self.device), None
+                drafter_model, hooks = _load(self.drafter, dtype, self.device), None
             for i in range(self.drafters):
                 config = DrafterConfig(model_name=str(self.drafter), **self.drafter_options)
                 running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)

@@ -350,6 +350,7 @@ def deploy(
     drafters: int = 1,
     *,
     dtype: str = "float32",
+    drafter_dtype: Optional[str] = None,
     device: str = "cpu",
     host: str = "127.0.0.1",
     tokenizer: Optional[str] = None,
@@ -395,7 +396,7 @@ def deploy(
              options=verifier_options, **common)
     d_actors = [actor_class("DrafterActor").options(
         **placement_options("drafter", num_gpus=drafter_gpus, name=name(f"steerspec-drafter-{i}"), detached=detached)
-    ).remote(model=drafter, options=drafter_options, **common) for i in range(drafters)]
+    ).remote(model=drafter, options=drafter_options, **{**common, "dtype": drafter_dtype or dtype}) for i in range(drafters)]
     deployment = Deployment(verifier=v_actor, verifier_target="", drafters=d_actors)
     try:
         deployment.verifier_target = ray.get(v_actor.start.remote(), timeout=timeout)

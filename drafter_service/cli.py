@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=50062, help="port to bind (0 = any free port)")
     parser.add_argument("--model", default="pretrained", help="bundled name or local checkpoint directory")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"],
+                        help="auto: bfloat16 on a CPU with native bf16, else float32 (acceptance only; output exact)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     parser.add_argument("--steering", default="auto",
                         help="SD² steering weights: 'auto' (from the model directory when present), 'off', "
@@ -41,11 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
-    """(model, steering hooks or None)."""
+    """(model, steering hooks or None); dtype "auto": `layouts.drafter_dtype("auto", "float32", device)`."""
+    from steerspec.models.layouts import drafter_dtype
     from steerspec.models.loading import load_model, resolve_model_dir
     from steerspec.steering import attach_steering, has_steering, load_steering
 
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=drafter_dtype(dtype, "float32", device) if dtype == "auto" else dtype, device=device)
     source = None
     if steering == "auto":
         path = resolve_model_dir(model)
@@ -55,7 +57,7 @@ def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
     if source is None:
         return loaded, None
     try:
-        weights = load_steering(source, device=loaded.device)
+        weights = load_steering(source, dtype=next(loaded.parameters()).dtype, device=loaded.device)  # the drafter's own
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise UsageError(f"cannot load SD² steering weights from {source}: {exc}") from exc
     return loaded, attach_steering(loaded, weights.drafter)

@@ -7,6 +7,7 @@ import statistics
 
 import grpc
 import pytest
+import torch
 
 from coord_helpers import greedy_reference
 from coordinator.local import LocalCluster
@@ -88,6 +89,26 @@ async def test_speculative_greedy_equals_verifier_greedy(cluster, tiny_pair):
         assert key in body
     assert set(body["stage_ms"]) == {"draft", "network", "queue", "verify", "overhead"}
     assert body["stage_ms"]["network"] == 0.0
+
+
+async def test_a_bfloat16_drafter_under_a_float32_verifier_keeps_greedy_output_exact(tiny_pair, monkeypatch):
+    """`drafter_dtype` (the CLI's --drafter-dtype, "auto" = bfloat16 on a native-bf16 CPU) moves only the drafter:
+    the verifier stays float32 and the output its greedy one."""
+    import coordinator.local as local
+
+    loaded, real = [], local._load
+
+    def load(model, dtype, device):
+        out = real(model, dtype, device)
+        loaded.append((str(model), next(out.parameters()).dtype))
+        return out
+
+    monkeypatch.setattr(local, "_load", load)
+    want = greedy_reference(tiny_pair[0], PROMPT, 24)
+    async with LocalCluster(str(tiny_pair[0]), str(tiny_pair[1]), eos_ids=(), drafter_dtype="bfloat16") as c:
+        result = await c.generate(PROMPT, max_new_tokens=24, k=4)
+    assert result.token_ids == want and result.accepted > 0
+    assert loaded == [(str(tiny_pair[0]), torch.float32), (str(tiny_pair[1]), torch.bfloat16)]
 
 
 async def test_autoregressive_is_one_round_trip_per_token(cluster, tiny_pair):

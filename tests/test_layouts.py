@@ -10,6 +10,7 @@ import torch
 
 from steerspec.models import load_model
 from steerspec.models.kv import FastCachedLM
+from steerspec.models import layouts
 from steerspec.models.layouts import (CACHE_ATTR, ENV, ONEDNN_ENV, PACKED_ATTR, is_input_major, is_packable,
                                       onednn_available, onednn_min_rows, out_major_rows)
 
@@ -195,11 +196,37 @@ def test_the_host_record_names_the_cpu_model(tmp_path):
     assert cpu_model(tmp_path / "missing") == (__import__("platform").processor() or None)
 
 
-def test_half_precision_weights_are_not_packed(tiny_pair):
-    model = load_model(tiny_pair[0], dtype="bfloat16")
+def test_float16_weights_are_not_packed_and_bfloat16_only_where_the_cpu_has_native_bf16(tiny_pair, monkeypatch):
+    model = load_model(tiny_pair[0], dtype="float16")
     lm = FastCachedLM(model)
     assert lm.onednn_min_rows == 0 and not lm.plans_for(5)[0][0][3][0].is_mkldnn
     assert lm.extend(PROMPT).logits.shape[0] == len(PROMPT)
+    plain = FastCachedLM(load_model(tiny_pair[0], dtype="bfloat16"))
+    monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", False)  # an AVX2 CPU: oneDNN would emulate bf16, 10x slower
+    assert not is_packable(plain._plans[0][3][0])
+    if not onednn_available():
+        return
+    monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", True)
+    monkeypatch.setenv(ONEDNN_ENV, "2")
+    bf16 = FastCachedLM(load_model(tiny_pair[0], dtype="bfloat16"))
+    plans, head = bf16.plans_for(5)
+    assert plans[0][3][0].is_mkldnn and head[0].is_mkldnn
+    plain.reset()
+    ref = plain.extend(PROMPT).logits.float()
+    bf16.reset()
+    torch.testing.assert_close(bf16.extend(PROMPT).logits.float(), ref, atol=0.05, rtol=0.05)
+
+
+def test_the_drafter_dtype_resolves_auto_to_bfloat16_only_on_a_native_bf16_cpu_under_a_float32_verifier(monkeypatch):
+    from steerspec.models.layouts import drafter_dtype
+
+    assert drafter_dtype(None, "float32") == "float32" and drafter_dtype("float16", "float32") == "float16"
+    monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", True)
+    assert drafter_dtype("auto", "float32", "cpu") == "bfloat16"
+    assert drafter_dtype("auto", "float16", "cpu") == "float16"  # a half verifier: the drafter follows it
+    assert drafter_dtype("auto", "float32", "cuda:0") == "float32"
+    monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", False)
+    assert drafter_dtype("auto", "float32", "cpu") == "float32"
 
 
 def test_a_model_with_weight_copies_still_deep_copies_and_saves(verifier, tmp_path):

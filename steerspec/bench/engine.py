@@ -304,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter": str(args.drafter),
         "steering": steering is not None,  # SD²: our rows steered, transformers assisted unsteered
         "dtype": args.dtype,
+        "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "device": str(verifier.device),
         "backend": type(v_lm).__name__,
         "threads": torch.get_num_threads(),

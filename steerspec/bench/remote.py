@@ -221,7 +221,8 @@ class RayCluster:
         gpus = 1 if args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
         options = _verifier_options(args)
         services = Services(verifier=str(args.verifier_dir), drafter=str(args.drafter_dir), drafters=args.drafters,
-                            dtype=args.dtype, device="cuda" if gpus else "cpu", tokenizer=str(args.verifier_dir),
+                            dtype=args.dtype, drafter_dtype=args.drafter_dtype, device="cuda" if gpus else "cpu",
+                            tokenizer=str(args.verifier_dir),
                             num_threads=args.threads if args.threads > 0 else None, trace_file=self.trace_file,
                             verifier_options=options)
         self.deployment = launch(services, "ray", verifier_gpus=gpus, drafter_gpus=gpus, timeout=600)
@@ -335,6 +336,7 @@ async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dic
                 # gives the verifier its W_hml.
                 cluster_cm = LocalCluster(verifier, str(args.drafter_dir) if steered else drafter,
                                           drafters=args.drafters, link=link, dtype=args.dtype,
+                                          drafter_dtype=args.drafter_dtype,
                                           device=args.device_type,
                                           tokenizer=tokenizer_name, eos_ids=eos, verifier_options=verifier_options)
             rows.append(await _measure_rtt(cluster_cm, rtt, args, prompts, engine))
@@ -574,7 +576,11 @@ def run(args: argparse.Namespace) -> int:
     args.verifier_dir, args.drafter_dir = verifier_dir, drafter_dir
     tokenizer, eos = load_tokenizer_and_eos(str(verifier_dir))
     prompts = _prompts(args, tokenizer)
-    verifier, drafter = (load_model(d, dtype=args.dtype, device=device) for d in (verifier_dir, drafter_dir))
+    from steerspec.cli.run import drafter_dtype_of
+
+    args.drafter_dtype = drafter_dtype_of(args)  # resolved once: the engine row and the services load the same
+    verifier = load_model(verifier_dir, dtype=args.dtype, device=device)
+    drafter = load_model(drafter_dir, dtype=args.drafter_dtype, device=device)
     started = time.time()
     measured = asyncio.run(_measure(args, verifier, drafter, str(verifier_dir), prompts, eos))
     report: Dict[str, Any] = {
@@ -586,9 +592,11 @@ def run(args: argparse.Namespace) -> int:
                                                         ("concurrency", args.concurrency),
                                                         ("drafters", args.drafters),
                                                         ("deployment", args.deployment), ("device", args.device),
-                                                        ("dtype", args.dtype))) + (f" --tree {args.tree}" if args.tree else ""),
+                                                        ("dtype", args.dtype),
+                                                        ("drafter_dtype", args.drafter_dtype))) + (f" --tree {args.tree}" if args.tree else ""),
         "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
                    "drafters": args.drafters, "device": str(device), "dtype": args.dtype,
+                   "drafter_dtype": args.drafter_dtype,
                    "rtt_ms": args.rtt_list,
                    "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k,
                    "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,

@@ -236,7 +236,8 @@ def _prompt_seed(seed: int, index: int) -> int:
 
 
 async def _open_clusters(stack: AsyncExitStack, verifier_model, dirs: Dict[str, Path], rtt_ms: float,
-                         eos: Sequence[int], dtype: str, device: str) -> Dict[str, object]:
+                         eos: Sequence[int], dtype: str, device: str,
+                         drafter_dtype: Optional[str] = None) -> Dict[str, object]:
     """One LocalCluster per drafter (sharing the verifier weights), all open at once so prompts can interleave.
 
     LocalCluster loads the drafter from its directory, so an SD² one gets its W_s hooks and the
@@ -248,7 +249,7 @@ async def _open_clusters(stack: AsyncExitStack, verifier_model, dirs: Dict[str, 
     link = LinkModel(rtt_ms=rtt_ms).validate()
     return {label: await stack.enter_async_context(
                 LocalCluster(verifier=verifier_model, drafter=str(ddir), link=link, tokenizer=None, eos_ids=list(eos),
-                             dtype=dtype, device=device))
+                             dtype=dtype, drafter_dtype=drafter_dtype, device=device))
             for label, ddir in dirs.items()}
 
 
@@ -278,7 +279,7 @@ async def measure_services(verifier_model, dirs: Dict[str, Path], prompts: Dict[
     warm_ids = next(p[0] for p in chosen.values() if p)
     async with AsyncExitStack() as stack:
         clusters = await _open_clusters(stack, verifier_model, dirs, args.services_rtt_ms, eos, args.dtype,
-                                        str(verifier_model.device))
+                                        str(verifier_model.device), args.drafter_dtype)
         for label, cluster in clusters.items():  # warm-up: one block, not timed
             await _services_generate(cluster, warm_ids, args, seed, steered[label],
                                      max_new_tokens=min(args.max_new_tokens, args.k + 1))
@@ -329,14 +330,17 @@ def run(args) -> int:
         raise UsageError(f"--k must be in [1, 64], got {args.k}")
     if args.steering_repeats < 1:
         raise UsageError(f"--steering-repeats must be at least 1, got {args.steering_repeats}")
+    from steerspec.cli.run import drafter_dtype_of
+
     device = resolve_device(args.device)  # bad or missing devices: one line, exit 2, before any loading
     vdir = resolve_model_dir(args.verifier)
     verifier = CachedLM(load_model(vdir, dtype=args.dtype, device=device))
     tok = load_tokenizer(vdir)
     dirs = drafter_dirs(drafter_specs)
     drafters = {}
+    args.drafter_dtype = drafter_dtype_of(args)  # resolved once: in process and through the services alike
     for label, ddir in dirs.items():
-        cached = CachedLM(load_model(ddir, dtype=args.dtype, device=device))
+        cached = CachedLM(load_model(ddir, dtype=args.drafter_dtype, device=device))
         drafters[label] = (cached, maybe_steering(cached, ddir, device=device))
     labels = list(drafters)
     base = labels[0]
@@ -429,7 +433,7 @@ def run(args) -> int:
                    "max_new_tokens": args.max_new_tokens, "draft_top_k": args.draft_top_k,
                    "draft_tail": not args.no_draft_tail,
                    "prompts_per_set": {s: len(p) for s, p in prompts.items()}, "threads": args.threads,
-                   "device": str(device), "dtype": args.dtype,
+                   "device": str(device), "dtype": args.dtype, "drafter_dtype": args.drafter_dtype,
                    "transport": "inproc", "std": "sample std over seeds (ddof=1)",
                    "services": None if args.no_services else services_config(args, prompts, seeds[0])},
         "elapsed_s": round(elapsed, 1),

@@ -36,8 +36,13 @@ DEFAULT_POLICY = "gammatune+"
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --device: where the models compute (shared with the benchmarks)."""
+    """--dtype, --drafter-dtype and --device: where the models compute (shared with the benchmarks)."""
+    from steerspec.models.layouts import DRAFTER_DTYPES
+
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
+                        help="the drafter's dtype (default: auto = bfloat16 on a CPU with native bf16 when --dtype "
+                             "is float32, else --dtype); it moves acceptance only, the output stays the verifier's")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
 
 
@@ -153,9 +158,16 @@ def load_pair(args: argparse.Namespace, need_drafter: bool = True):
     tokenizer = load_tokenizer(args.verifier)
     drafter = None
     if need_drafter:
-        drafter = load_model(args.drafter, dtype=args.dtype, device=args.device)
+        drafter = load_model(args.drafter, dtype=drafter_dtype_of(args), device=args.device)
         check_same_vocabulary(args.verifier, args.drafter, tokenizer)
     return verifier, drafter, tokenizer
+
+
+def drafter_dtype_of(args: argparse.Namespace) -> str:
+    """--drafter-dtype resolved against --dtype and --device (`layouts.drafter_dtype`)."""
+    from steerspec.models.layouts import drafter_dtype
+
+    return drafter_dtype(getattr(args, "drafter_dtype", None), args.dtype, getattr(args, "device", "cpu"))
 
 
 def check_same_vocabulary(verifier_dir, drafter_dir, tokenizer) -> None:

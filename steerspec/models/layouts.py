@@ -6,7 +6,7 @@ drafter's catch-up feed, a batch of sessions) is another matter: MKL's small-M s
 weight across rows on every CPU, so such a pass costs close to one step per row. The lean forwards
 therefore keep oneDNN-packed copies of the weights (`torch.ops.mkldnn._linear_pointwise`, what
 inductor's CPU freezing uses) for passes of at least `STEERSPEC_ONEDNN_MIN_ROWS` rows (default 2; 0 turns
-them off; float32 only). Measured by `steerspec bench layouts` (docs/results/real-pair.md, "oneDNN").
+them off; float32, and bfloat16 on a CPU with native bf16 instructions). Measured by `steerspec bench layouts` (docs/results/real-pair.md, "oneDNN").
 Where oneDNN is off, out-major copies serve the row counts in `STEERSPEC_OUT_MAJOR_ROWS` (default 2,3;
 empty: none), as measured on the 2-core VM of earlier sessions, SmolLM2-135M, fp32, one thread: 2 rows 63.4 → 49.0 ms,
 3 rows 64.3 → 54.1 ms, one row 43.8 against 47.4. Each copy is made on first use, once per model and
@@ -74,9 +74,48 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 def is_packable(weight: Tensor) -> bool:
-    """A 2-D float32 CPU weight (what oneDNN packing takes here)."""
-    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and not weight.is_mkldnn and min(weight.shape) > 1)
+    """A 2-D float32 CPU weight, or a bfloat16 one where the CPU has native bf16 (what oneDNN packing takes here)."""
+    return (weight.dim() == 2 and weight.device.type == "cpu" and not weight.is_mkldnn and min(weight.shape) > 1
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())))
+
+
+_NATIVE_BF16: Dict[str, bool] = {}
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16) and oneDNN uses it: there a
+    packed bf16 linear streams half the bytes of a float32 one (SmolLM2's drafter: a pass 3.6 -> 2.2 ms);
+    elsewhere oneDNN emulates bf16 (an AVX2 VM: 10x slower than float32). Read once per process."""
+    if "cpu" not in _NATIVE_BF16:
+        flags: set = set()
+        try:
+            with open("/proc/cpuinfo") as handle:
+                for line in handle:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+        ops = torch.ops.mkldnn
+        _NATIVE_BF16["cpu"] = bool(flags & {"avx512_bf16", "amx_bf16"}) and onednn_available() and \
+            hasattr(ops, "_is_mkldnn_bf16_supported") and bool(ops._is_mkldnn_bf16_supported())
+    return _NATIVE_BF16["cpu"]
+
+
+DRAFTER_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def drafter_dtype(requested: Optional[str], dtype: str, device: str = "cpu") -> str:
+    """The dtype a drafter loads in: `requested`, or the verifier's `dtype` when None; "auto" is bfloat16 on a CPU
+    with native bf16 when the verifier runs in float32 (the drafter's precision only moves its acceptance, never
+    the output, which stays the verifier's), else the verifier's dtype."""
+    if requested is None or requested == dtype:
+        return dtype
+    if requested == "auto":
+        where = str(device).split(":")[0]
+        cpu = where == "cpu" or (where == "auto" and not torch.cuda.is_available())
+        return "bfloat16" if cpu and dtype == "float32" and native_bf16() else dtype
+    return requested
 
 
 def is_input_major(weight: Tensor) -> bool:
