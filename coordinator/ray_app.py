@@ -344,6 +344,14 @@ class Deployment:
                 pass
 
 
+def actor_drafter_dtype(requested: Optional[str], dtype: str, device: str) -> str:
+    """The dtype drafter actors are given: "auto" stays "auto" only under a float32 verifier on a CPU, where each
+    drafter's node decides by its own CPU (`layouts.drafter_dtype`); elsewhere "auto" and None are the verifier's."""
+    if requested is None or (requested == "auto" and (dtype != "float32" or not str(device).startswith("cpu"))):
+        return dtype
+    return requested
+
+
 def deploy(
     verifier: str = "verifier",
     drafter: str = "pretrained",
@@ -388,6 +396,7 @@ def deploy(
     """
     ray = import_ray()
     name = (lambda base: base) if detached else (lambda base: None)
+    drafter_dtype = actor_drafter_dtype(drafter_dtype, dtype, device)
     common = dict(dtype=dtype, device=device, host=host, trace_file=trace_file, num_threads=num_threads,
                   redis_url=redis_url)  # with Redis every replica registers itself (TTL heartbeats)
     v_actor = actor_class("VerifierActor").options(
@@ -396,7 +405,7 @@ def deploy(
              options=verifier_options, **common)
     d_actors = [actor_class("DrafterActor").options(
         **placement_options("drafter", num_gpus=drafter_gpus, name=name(f"steerspec-drafter-{i}"), detached=detached)
-    ).remote(model=drafter, options=drafter_options, **{**common, "dtype": drafter_dtype or dtype}) for i in range(drafters)]
+    ).remote(model=drafter, options=drafter_options, **{**common, "dtype": drafter_dtype}) for i in range(drafters)]
     deployment = Deployment(verifier=v_actor, verifier_target="", drafters=d_actors)
     try:
         deployment.verifier_target = ray.get(v_actor.start.remote(), timeout=timeout)

@@ -229,6 +229,17 @@ def test_the_drafter_dtype_resolves_auto_to_bfloat16_only_on_a_native_bf16_cpu_u
     assert drafter_dtype("auto", "float32", "cpu") == "float32"
 
 
+def test_ray_drafter_actors_keep_auto_only_under_a_float32_cpu_verifier():
+    """On Ray each drafter's node resolves "auto" by its own CPU; a GPU or half verifier fixes the dtype first."""
+    from coordinator.ray_app import actor_drafter_dtype
+
+    assert actor_drafter_dtype("auto", "float32", "cpu") == "auto"
+    assert actor_drafter_dtype("auto", "bfloat16", "cuda") == "bfloat16"
+    assert actor_drafter_dtype("auto", "float32", "cuda:0") == "float32"
+    assert actor_drafter_dtype(None, "float16", "cpu") == "float16"
+    assert actor_drafter_dtype("bfloat16", "float32", "cpu") == "bfloat16"
+
+
 def test_a_model_with_weight_copies_still_deep_copies_and_saves(verifier, tmp_path):
     """Packed tensors cannot be copied or saved: the caches copy and pickle as empty, and the copy
     remakes its own on use."""

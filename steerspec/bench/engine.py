@@ -171,10 +171,12 @@ def run(args: argparse.Namespace) -> int:
     # transformers on each weight layout (on a CPU): "" = SteerSpec's loading (input-major), else the original
     hf_models = {"": (verifier, drafter)}
     if verifier.device.type == "cpu" and not args.no_hf_out_major:
+        from steerspec.cli.run import drafter_dtype_of
         from steerspec.models import load_model
 
         hf_models[" (out-major)"] = (load_model(args.verifier, dtype=args.dtype, device=args.device, cpu_layout=False),
-                                     load_model(args.drafter, dtype=args.dtype, device=args.device, cpu_layout=False))
+                                     load_model(args.drafter, dtype=drafter_dtype_of(args), device=args.device,
+                                                cpu_layout=False))
 
     def hf_generate(ids, assistant=None, gen_config=None, target=None):
         target = verifier if target is None else target
