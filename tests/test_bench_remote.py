@@ -47,6 +47,10 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     assert "concurrency" not in report["rows"][0]
     assert report["engine"]["tokens_per_s"] > 0
     assert report["config"]["device"] == "cpu" and report["config"]["dtype"] == "float32"
+    command = report["command"]  # the run's own options, enough to repeat it
+    assert command.startswith("steerspec bench remote ") and f"--verifier {verifier}" in command
+    assert "--rtt-ms 0,20" in command and "--concurrency-rtt-ms 20" in command and "--threads 1" in command
+    assert "rtt-list" not in command and "verifier-dir" not in command  # nothing the run derived itself
     assert report["machine"]["gpu"] is None
     assert set(report["targets"]) == {"overhead_median_ms", "bytes_up_per_block", "concurrency_ratio_at_50ms"}
     table = capsys.readouterr().out

@@ -560,6 +560,9 @@ def _validate(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from steerspec.cli._dispatch import command_line
+
+    invoked = command_line("steerspec bench remote", argparse.Namespace(**vars(args)))  # before validation adds keys
     _validate(args)
     import torch
 
@@ -584,16 +587,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     measured = asyncio.run(_measure(args, verifier, drafter, str(verifier_dir), prompts, eos))
     report: Dict[str, Any] = {
-        "command": "steerspec bench remote " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in (("rtt_ms", args.rtt_ms), ("prompts", args.prompts),
-                                                        ("max_new_tokens", args.max_new_tokens), ("k", args.k),
-                                                        ("draft_top_k", args.draft_top_k),
-                                                        ("temperature", args.temperature),
-                                                        ("concurrency", args.concurrency),
-                                                        ("drafters", args.drafters),
-                                                        ("deployment", args.deployment), ("device", args.device),
-                                                        ("dtype", args.dtype),
-                                                        ("drafter_dtype", args.drafter_dtype))) + (f" --tree {args.tree}" if args.tree else ""),
+        "command": invoked,
         "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
                    "drafters": args.drafters, "device": str(device), "dtype": args.dtype,
                    "drafter_dtype": args.drafter_dtype,
