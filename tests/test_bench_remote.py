@@ -44,6 +44,7 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     slow = report["rows"][1]
     assert slow["autoregressive"]["stage_ms"]["network"] >= 19.0  # the emulated link is on that hop
     assert set(slow["concurrency"]) == {"1", "2"} and slow["concurrency_ratio"] > 0
+    assert slow["paired_speedup"]["speculative"]["n"] == 1 and slow["paired_speedup"]["speculative"]["mean"] > 0
     assert "concurrency" not in report["rows"][0]
     assert report["engine"]["tokens_per_s"] > 0
     assert report["config"]["device"] == "cpu" and report["config"]["dtype"] == "float32"
@@ -126,3 +127,33 @@ def test_bench_device_errors_are_one_line_exit_2(bench, device, capsys):
     assert main(["bench", bench, "--device", device]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and device in err[0] and "cuda" in err[0]
+
+
+def test_modes_interleave_prompt_by_prompt_and_speedups_pair_per_prompt():
+    """Each prompt runs every mode before the next prompt (order reversed on odd prompts), with the prompt's own
+    seed; the paired speedup is the per-prompt ratio's mean and standard error."""
+    import asyncio
+    import types
+
+    calls = []
+
+    class FakeCluster:
+        steering = False
+
+        async def generate(self, prompt, **kw):
+            calls.append((prompt[0], kw["mode"], kw["tree"], kw["seed"]))
+            return types.SimpleNamespace(generated=8, wall_s=1.0 if kw["mode"] == "autoregressive" else 0.5)
+
+    args = _args("--prompts", "3", "--seed", "5")
+    modes = [("autoregressive", "autoregressive", "", "exact"), ("speculative", "speculative", "", "exact"),
+             ("tree", "speculative", "0,1", "exact")]
+    runs = asyncio.run(remote._interleaved(FakeCluster(), [[10], [11], [12]], args, modes))
+    assert [c[:3] for c in calls] == [(10, "autoregressive", ""), (10, "speculative", ""), (10, "speculative", "0,1"),
+                                      (11, "speculative", "0,1"), (11, "speculative", ""), (11, "autoregressive", ""),
+                                      (12, "autoregressive", ""), (12, "speculative", ""), (12, "speculative", "0,1")]
+    assert {c[0]: c[3] for c in calls} == {10: 5, 11: 6, 12: 7}
+    assert remote.paired_speedup(runs["tree"], runs["autoregressive"]) == {"mean": 2.0, "se": 0.0, "n": 3}
+    slow = [types.SimpleNamespace(generated=8, wall_s=w) for w in (0.5, 0.25, 1.0)]
+    paired = remote.paired_speedup(slow, runs["autoregressive"])
+    assert paired["n"] == 3 and paired["mean"] == round((2 + 4 + 1) / 3, 3) and paired["se"] > 0
+    assert remote.paired_speedup([], []) is None

@@ -7,7 +7,8 @@ loopback via coordinator.local.LocalCluster):
 - ``speculative``: the pretrained drafter proposing k tokens per round trip through the services;
 - ``engine``: the in-process engine (no gRPC, no link; measured once, the same for every RTT);
 
-with tokens/s, block efficiency, speedup (speculative ÷ autoregressive over the same link), mean
+with tokens/s, block efficiency, speedup (speculative ÷ autoregressive over the same link; and per prompt,
+the modes interleaved prompt by prompt so the host's drift reaches each alike, its mean ± standard error), mean
 bytes per block up/down, median stage times per block and the mean verifier batch size; plus the
 aggregate tokens/s of the same N speculative generations run 1 at a time and N at a time. Prints a table, writes JSON
 (``--out``) and optionally a PNG (``--plot``), and checks the targets: overhead ≤ 1 ms median per
@@ -26,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from steerspec.bench.host import host_info
 from steerspec.errors import UsageError, float_list
@@ -277,14 +278,33 @@ def _verifier_options(args) -> Dict[str, Any]:
     return options
 
 
-async def _sequential(cluster, prompts, args, mode: str, tree: str = "", verification: str = "exact") -> List[Any]:
-    results = []
+async def _generate(cluster, prompt, i: int, args, mode: str, tree: str = "", verification: str = "exact"):
+    """Prompt i's generation in one mode (its seed `--seed` + i, so every mode draws alike)."""
+    return await cluster.generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
+        steering=cluster.steering and mode == "speculative", timeout=600, tree=tree, verification=verification)
+
+
+async def _interleaved(cluster, prompts, args, modes: Sequence[Tuple[str, str, str, str]]) -> Dict[str, List[Any]]:
+    """Every mode (key, mode, tree, verification) on prompt 0, then on prompt 1, ..., the order reversed on odd
+    prompts, so the host's drift reaches each mode alike -> the results per key, in prompt order."""
+    results: Dict[str, List[Any]] = {key: [] for key, *_ in modes}
     for i, prompt in enumerate(prompts):
-        results.append(await cluster.generate(
-            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
-            steering=cluster.steering and mode == "speculative", timeout=600, tree=tree, verification=verification))
+        for key, mode, tree, verification in (modes if i % 2 == 0 else modes[::-1]):
+            results[key].append(await _generate(cluster, prompt, i, args, mode, tree, verification))
     return results
+
+
+def paired_speedup(results: Sequence[Any], alone: Sequence[Any]) -> Optional[Dict[str, float]]:
+    """Per prompt tokens/s over the verifier alone's on the same prompt: mean, standard error, count (None for
+    fewer than one pair), the spread to read a speedup against."""
+    ratios = [(r.generated / r.wall_s) / (a.generated / a.wall_s) for r, a in zip(results, alone)
+              if r.wall_s > 0 and a.wall_s > 0 and a.generated > 0]
+    if not ratios:
+        return None
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+    return {"mean": round(statistics.fmean(ratios), 3), "se": round(se, 3), "n": len(ratios)}
 
 
 async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "") -> Dict[str, Any]:
@@ -357,18 +377,20 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
     async with cluster_cm as cluster:
         await cluster.generate(prompts[0], max_new_tokens=4, k=args.k, draft_top_k=args.draft_top_k,
                                temperature=args.temperature, seed=args.seed, steering=cluster.steering)  # warm-up
-        ar = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "autoregressive"))
-        sd = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative"))
-        row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "speculative": sd, "engine": engine}
-        row["speedup"] = _speedup(sd, ar)
         block = getattr(args, "block", False)
-        extra = [("block", "", "block")] if block else []  # (row key, tree, verification)
+        modes = [("autoregressive", "autoregressive", "", "exact"), ("speculative", "speculative", "", "exact")]
+        modes += [("block", "speculative", "", "block")] if block else []  # (row key, mode, tree, verification)
         if args.tree:
-            extra += [("tree", args.tree, "exact")] + ([("tree_block", args.tree, "block")] if block else [])
-        for key, tree, verification in extra:
-            measured = summarize_runs(await _sequential(cluster, prompts[:args.prompts], args, "speculative", tree,
-                                                        verification=verification))
-            row[key], row[f"{key}_speedup"] = measured, _speedup(measured, ar)
+            modes += [("tree", "speculative", args.tree, "exact")]
+            modes += [("tree_block", "speculative", args.tree, "block")] if block else []
+        runs = await _interleaved(cluster, prompts[:args.prompts], args, modes)
+        ar = summarize_runs(runs["autoregressive"])
+        row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "engine": engine, "paired_speedup": {}}
+        for key, *_ in modes[1:]:
+            measured = summarize_runs(runs[key])
+            row[key] = measured
+            row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(measured, ar)
+            row["paired_speedup"][key] = paired_speedup(runs[key], runs["autoregressive"])
         if rtt in args.concurrency_rtts:
             conc = {}
             for n in args.concurrency_list:
@@ -452,10 +474,11 @@ def print_report(report: Dict[str, Any]) -> None:
             st = m.get("stage_ms", {})
             key = {"autoregressive": None, "speculative": "speedup"}.get(mode, f"{mode}_speedup")
             speedup = 1.0 if key is None else row.get(key)
+            paired = row.get("paired_speedup", {}).get(mode)
             label = {"tree": f"tree {cfg.get('tree')}", "block": "speculative, block verify",
                      "tree_block": f"tree {cfg.get('tree')}, traversal verify"}.get(mode, mode)
             table.add_row(f"{row['rtt_ms']:g}", label, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
-                          _f(speedup, 2),
+                          _f(speedup, 2) + (f" (±{paired['se']:.2f})" if paired and paired["n"] > 1 else ""),
                           _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),
                           *[_f(st.get(s), 2) for s in STAGES], _f(m.get("batch_size"), 2))
         if engine:
