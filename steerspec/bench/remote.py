@@ -296,6 +296,11 @@ async def _interleaved(cluster, prompts, args, modes: Sequence[Tuple[str, str, s
     return results
 
 
+def per_prompt_rates(results: Sequence[Any]) -> List[Optional[float]]:
+    """Each generation's tokens/s, in prompt order."""
+    return [round(r.generated / r.wall_s, 3) if r.wall_s > 0 else None for r in results]
+
+
 def paired_speedup(results: Sequence[Any], alone: Sequence[Any]) -> Optional[Dict[str, float]]:
     """Per prompt tokens/s over the verifier alone's on the same prompt: mean, standard error, count (None for
     fewer than one pair), the spread to read a speedup against."""
@@ -385,9 +390,11 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
             modes += [("tree_block", "speculative", args.tree, "block")] if block else []
         runs = await _interleaved(cluster, prompts[:args.prompts], args, modes)
         ar = summarize_runs(runs["autoregressive"])
+        ar["per_prompt_tokens_per_s"] = per_prompt_rates(runs["autoregressive"])
         row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "engine": engine, "paired_speedup": {}}
         for key, *_ in modes[1:]:
             measured = summarize_runs(runs[key])
+            measured["per_prompt_tokens_per_s"] = per_prompt_rates(runs[key])  # for any paired comparison later
             row[key] = measured
             row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(measured, ar)
             row["paired_speedup"][key] = paired_speedup(runs[key], runs["autoregressive"])
