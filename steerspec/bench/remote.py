@@ -302,8 +302,8 @@ def per_prompt_rates(results: Sequence[Any]) -> List[Optional[float]]:
 
 
 def paired_speedup(results: Sequence[Any], alone: Sequence[Any]) -> Optional[Dict[str, float]]:
-    """Per prompt tokens/s over the verifier alone's on the same prompt: mean, standard error, count (None for
-    fewer than one pair), the spread to read a speedup against."""
+    """Per prompt tokens/s over the verifier alone's on the same prompt: mean, standard error, count (None when
+    no pair has both), the spread to read a speedup against."""
     ratios = [(r.generated / r.wall_s) / (a.generated / a.wall_s) for r, a in zip(results, alone)
               if r.wall_s > 0 and a.wall_s > 0 and a.generated > 0]
     if not ratios:
