@@ -153,8 +153,10 @@ def test_modes_interleave_prompt_by_prompt_and_speedups_pair_per_prompt():
                                       (11, "speculative", "0,1"), (11, "speculative", ""), (11, "autoregressive", ""),
                                       (12, "autoregressive", ""), (12, "speculative", ""), (12, "speculative", "0,1")]
     assert {c[0]: c[3] for c in calls} == {10: 5, 11: 6, 12: 7}
-    assert remote.paired_speedup(runs["tree"], runs["autoregressive"]) == {"mean": 2.0, "se": 0.0, "n": 3}
+    alone = remote.per_prompt_rates(runs["autoregressive"])
+    assert alone == [8.0, 8.0, 8.0]
+    assert remote.paired_speedup(remote.per_prompt_rates(runs["tree"]), alone) == {"mean": 2.0, "se": 0.0, "n": 3}
     slow = [types.SimpleNamespace(generated=8, wall_s=w) for w in (0.5, 0.25, 1.0)]
-    paired = remote.paired_speedup(slow, runs["autoregressive"])
+    paired = remote.paired_speedup(remote.per_prompt_rates(slow), alone)
     assert paired["n"] == 3 and paired["mean"] == round((2 + 4 + 1) / 3, 3) and paired["se"] > 0
     assert remote.paired_speedup([], []) is None

@@ -301,11 +301,10 @@ def per_prompt_rates(results: Sequence[Any]) -> List[Optional[float]]:
     return [round(r.generated / r.wall_s, 3) if r.wall_s > 0 else None for r in results]
 
 
-def paired_speedup(results: Sequence[Any], alone: Sequence[Any]) -> Optional[Dict[str, float]]:
-    """Per prompt tokens/s over the verifier alone's on the same prompt: mean, standard error, count (None when
-    no pair has both), the spread to read a speedup against."""
-    ratios = [(r.generated / r.wall_s) / (a.generated / a.wall_s) for r, a in zip(results, alone)
-              if r.wall_s > 0 and a.wall_s > 0 and a.generated > 0]
+def paired_speedup(rates: Sequence[Optional[float]], alone: Sequence[Optional[float]]) -> Optional[Dict[str, float]]:
+    """Per prompt tokens/s (`per_prompt_rates`) over the verifier alone's on the same prompt: mean, standard error,
+    count (None when no pair has both), the spread to read a speedup against."""
+    ratios = [r / a for r, a in zip(rates, alone) if r is not None and a]
     if not ratios:
         return None
     se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
@@ -389,15 +388,13 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
             modes += [("tree", "speculative", args.tree, "exact")]
             modes += [("tree_block", "speculative", args.tree, "block")] if block else []
         runs = await _interleaved(cluster, prompts[:args.prompts], args, modes)
-        ar = summarize_runs(runs["autoregressive"])
-        ar["per_prompt_tokens_per_s"] = per_prompt_rates(runs["autoregressive"])
-        row: Dict[str, Any] = {"rtt_ms": rtt, "autoregressive": ar, "engine": engine, "paired_speedup": {}}
-        for key, *_ in modes[1:]:
-            measured = summarize_runs(runs[key])
-            measured["per_prompt_tokens_per_s"] = per_prompt_rates(runs[key])  # for any paired comparison later
-            row[key] = measured
-            row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(measured, ar)
-            row["paired_speedup"][key] = paired_speedup(runs[key], runs["autoregressive"])
+        rates = {key: per_prompt_rates(results) for key, results in runs.items()}  # for any paired comparison later
+        row: Dict[str, Any] = {"rtt_ms": rtt}
+        row.update({key: {**summarize_runs(runs[key]), "per_prompt_tokens_per_s": rates[key]} for key in runs})
+        row.update(engine=engine, paired_speedup={})
+        for key in list(runs)[1:]:
+            row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(row[key], row["autoregressive"])
+            row["paired_speedup"][key] = paired_speedup(rates[key], rates["autoregressive"])
         if rtt in args.concurrency_rtts:
             conc = {}
             for n in args.concurrency_list:
@@ -592,7 +589,7 @@ def _validate(args) -> None:
 def run(args: argparse.Namespace) -> int:
     from steerspec.cli._dispatch import command_line
 
-    invoked = command_line("steerspec bench remote", argparse.Namespace(**vars(args)))  # before validation adds keys
+    invoked = command_line("steerspec bench remote", args)  # before validation adds its derived keys
     _validate(args)
     import torch
 
