@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 from pathlib import Path
 from typing import Optional, Tuple
@@ -25,11 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the registry and session checkpoints (default: in-process store); "
                              "replicas started with the same --redis-url are found there")
-    parser.add_argument("--tokenizer", default="verifier",
-                        help="bundled model name or checkpoint directory whose tokenizer (and EOS) to use")
+    parser.add_argument("--tokenizer", default="auto",
+                        help="'auto' (default): the verifier's model, resolved on this host (a bundled name "
+                             "resolves anywhere; a directory must exist here too); or a bundled name or checkpoint "
+                             "directory, checked against the verifier's tokenizer")
     parser.add_argument("--max-length", type=int, default=None,
-                        help="context limit (prompt + generated); default: the --tokenizer model's "
-                             "max_position_embeddings")
+                        help="context limit (prompt + generated); default: the verifier's context (at most that)")
     add_link_arguments(parser)
     parser.add_argument("--policy", default=None, metavar="SPEC",
                         help="draft-length policy for requests that name none, NAME[:key=value,...] (default: fixed)")
@@ -52,32 +52,41 @@ def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]
     """The tokenizer of a model directory and its EOS ids (generation config, config, tokenizer)."""
     if not name:
         return None, ()
-    from steerspec.models.loading import load_tokenizer, resolve_model_dir
+    from coordinator.model_check import local_model
 
-    path = resolve_model_dir(name)
-    tokenizer = load_tokenizer(path)
-    return tokenizer, eos_ids_of(path, tokenizer)
-
-
-def context_of(name) -> Optional[int]:
-    """max_position_embeddings of a bundled name or checkpoint directory (None when unknown)."""
-    from steerspec.models.loading import resolve_model_dir
-
-    config = Path(resolve_model_dir(str(name))) / "config.json"
-    value = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
-    return int(value) if value else None
+    model = local_model(name)
+    return model.tokenizer, model.eos_ids
 
 
 def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
-    for fname in ("generation_config.json", "config.json"):
-        f = Path(path) / fname
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
+    """EOS ids of a checkpoint directory (generation config, config), else the tokenizer's."""
+    from steerspec.models.identity import config_eos
+
+    eos = config_eos(path)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         return (int(tokenizer.eos_token_id),)
-    return ()
+    return eos
+
+
+async def coordinator_model(verifiers, drafters, tokenizer: Optional[str], max_length: Optional[int]):
+    """The checked model of a coordinator of these replicas (coordinator/model_check.py); None: follow the
+    verifier from the first session (none answers now)."""
+    from coordinator.model_check import check_deployment
+    from coordinator.streams import Channels
+
+    channels = Channels()
+    try:
+        return await check_deployment(channels, verifiers, drafters, tokenizer, max_length)
+    finally:
+        await channels.close()
+
+
+def coordinator_kwargs(model, max_length: Optional[int]) -> dict:
+    """Coordinator(...) arguments for a checked model, or for following the verifier later (model None)."""
+    if model is None:
+        return {"follow_verifier": True, "max_length": max_length}
+    return {"tokenizer": model.tokenizer, "eos_ids": model.eos_ids, "max_length": model.max_length,
+            "model": model.identity}
 
 
 def policy_defaults(spec: Optional[str]) -> dict:
@@ -117,18 +126,20 @@ async def _main(args) -> int:
         metrics_host = args.metrics_host or args.host
         _, metrics_port = start_metrics_server(args.metrics_port, metrics.registry, addr=metrics_host)
         print(f"steerspec coordinator metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
-    tokenizer, eos = load_tokenizer_and_eos(args.tokenizer)
-    max_length = args.max_length or (context_of(args.tokenizer) if args.tokenizer else None)
+    verifiers, drafters = parse_targets(args.verifier, "--verifier"), parse_targets(args.drafter, "--drafter")
+    model = await coordinator_model(verifiers, drafters, args.tokenizer, args.max_length)
+    if model is None:
+        print("steerspec coordinator: no verifier answered yet; it follows the verifier's model at the first "
+              "session", flush=True)
     link = link_from_args(args)
     store = await open_store(args.redis_url)
-    coordinator = Coordinator(store=store, verifiers=parse_targets(args.verifier, "--verifier"),
-                              drafters=parse_targets(args.drafter, "--drafter"), link=link, tokenizer=tokenizer,
-                              eos_ids=eos, metrics=metrics, tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s,
-                              max_length=max_length, allow_lossy=args.allow_lossy,
+    coordinator = Coordinator(store=store, verifiers=verifiers, drafters=drafters, link=link, metrics=metrics,
+                              tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s, allow_lossy=args.allow_lossy,
                               max_sessions_per_identity=args.max_sessions_per_identity,
-                              defaults=policy_defaults(args.policy))
+                              defaults=policy_defaults(args.policy), **coordinator_kwargs(model, args.max_length))
     running = await serve(coordinator, host=args.host, port=args.port)
-    print(f"steerspec coordinator serving on {running.target}", flush=True)
+    following = f" for {model.identity.label()}" if model is not None and model.identity is not None else ""
+    print(f"steerspec coordinator serving on {running.target}{following}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
     return 0
 

@@ -20,6 +20,12 @@ Every call carries a session id (generated when not given); a retry after tokens
 asks the coordinator to resume that session, which streams the generation from its first token
 again; the client skips what it already yielded and checks that the replayed prefix matches, so
 no token is lost or repeated.
+
+Errors: every call (sync and asyncio, streaming or not) raises a `steerspec.SteerSpecError`
+subclass for a failed call (`coordinator.errors`: InvalidArgument, FailedPrecondition, Unavailable once
+the retries are exhausted, ...), raised from grpc's own error; they are `grpc.RpcError`s with
+`code()`/`details()`, so `except grpc.RpcError` keeps working. Arguments rejected here before any call
+are plain ValueErrors.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
+
+from coordinator.errors import MissingSummary, ResumeMismatch, SteerSpecError, from_rpc_error
 
 if TYPE_CHECKING:
     from steerspec.security import ClientSecurity
@@ -109,10 +117,6 @@ def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[st
 
 
 Item = Union[Chunk, Summary]
-
-
-class ResumeMismatch(RuntimeError):
-    """A resumed session replayed tokens that differ from those already received."""
 
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
@@ -284,10 +288,12 @@ class Client:
                     if item is not None:
                         yield item
                 return
+            except SteerSpecError:  # raised here (ResumeMismatch): not a call's status
+                raise
             except grpc.RpcError as exc:
                 pause = self._retry_pause(exc.code(), attempt, deadline)
                 if pause is None:
-                    raise
+                    raise from_rpc_error(exc) from exc
                 attempt += 1
                 time.sleep(pause)
             finally:
@@ -317,10 +323,12 @@ class Client:
                     if item is not None:
                         yield item
                 return
-            except grpc.aio.AioRpcError as exc:
+            except SteerSpecError:  # raised here (ResumeMismatch): not a call's status
+                raise
+            except grpc.RpcError as exc:
                 pause = self._retry_pause(exc.code(), attempt, deadline)
                 if pause is None:
-                    raise
+                    raise from_rpc_error(exc) from exc
                 attempt += 1
                 await asyncio.sleep(pause)
             finally:
@@ -331,20 +339,21 @@ class Client:
         return self.complete(prompt, **kwargs).text
 
     def complete(self, prompt: Optional[str] = None, **kwargs) -> Summary:
-        """Run a generation to the end and return its Summary."""
+        """Run a generation to the end and return its Summary (MissingSummary if the stream ends without one)."""
         summary = None
         for item in self.generate(prompt, **kwargs):
             if isinstance(item, Summary):
                 summary = item
         if summary is None:
-            raise RuntimeError("the coordinator ended the stream without a summary")
+            raise MissingSummary("the coordinator ended the stream without a summary")
         return summary
 
     async def acomplete(self, prompt: Optional[str] = None, **kwargs) -> Summary:
+        """Asyncio version of `complete`."""
         summary = None
         async for item in self.agenerate(prompt, **kwargs):
             if isinstance(item, Summary):
                 summary = item
         if summary is None:
-            raise RuntimeError("the coordinator ended the stream without a summary")
+            raise MissingSummary("the coordinator ended the stream without a summary")
         return summary

@@ -34,6 +34,11 @@ def _load(model, dtype: str, device: str):
     return load_model(model, dtype=dtype, device=device) if isinstance(model, (str, os.PathLike)) else model
 
 
+def _name(given, model) -> str:
+    """What a replica reports it serves: the name or directory given, else the loaded model's directory."""
+    return str(given) if isinstance(given, (str, os.PathLike)) else str(getattr(model, "name_or_path", "") or "")
+
+
 @dataclass
 class LocalCluster:
     """Verifier and drafter replicas plus a coordinator, all in this process (async context manager).
@@ -87,8 +92,9 @@ class LocalCluster:
         await self.stop()
 
     async def start(self) -> None:
-        from coordinator.cli import load_tokenizer_and_eos
+        from coordinator.cli import coordinator_kwargs, coordinator_model
         from coordinator.launch import steering_dir as find_steering_dir
+        from coordinator.model_check import FOLLOW
         from verifier_service.server import VerifierConfig, serve as serve_verifier
 
         if self.trace_file and self.tracer is None:
@@ -117,7 +123,7 @@ class LocalCluster:
 
             head = load_head(steering_dir, verifier_model.device)
         for i in range(self.verifiers):
-            config = VerifierConfig(replica=f"local-verifier-{i}", model_name=str(self.verifier),
+            config = VerifierConfig(replica=f"local-verifier-{i}", model_name=_name(self.verifier, verifier_model),
                                     **self.verifier_options)
             running, _ = await serve_verifier(verifier_model, config, host="127.0.0.1", port=0, steering_head=head)
             self._servers.append(running)
@@ -135,25 +141,25 @@ class LocalCluster:
             else:
                 drafter_model, hooks = _load(self.drafter, dtype, self.device), None
             for i in range(self.drafters):
-                config = DrafterConfig(model_name=str(self.drafter), **self.drafter_options)
+                config = DrafterConfig(model_name=_name(self.drafter, drafter_model), **self.drafter_options)
                 running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)
                 self._servers.append(running)
                 self.drafter_servers.append(running)
                 self.drafter_targets.append(running.target)
-        tokenizer, eos = None, ()
-        source = self.verifier if self.tokenizer == "auto" else self.tokenizer
-        if isinstance(source, (str, os.PathLike)) and source:
-            tokenizer, eos = load_tokenizer_and_eos(str(source))
-        if self.eos_ids is not None:
-            eos = tuple(self.eos_ids)
         from steerspec.models import context_length
 
         contexts = [context_length(verifier_model)] + ([context_length(drafter_model)] if self.drafters else [])
+        kwargs: dict = {"max_length": min(contexts)}
+        if self.tokenizer is not None:  # the check every deployment makes (coordinator/model_check.py)
+            tokenizer = FOLLOW if self.tokenizer == "auto" else str(self.tokenizer)
+            model = await coordinator_model(self.verifier_targets, self.drafter_targets, tokenizer, min(contexts))
+            kwargs = coordinator_kwargs(model, min(contexts))
+        if self.eos_ids is not None:
+            kwargs["eos_ids"] = tuple(self.eos_ids)
         self.coordinator = Coordinator(store=self.store, verifiers=self.verifier_targets,
-                                       drafters=self.drafter_targets, link=self.link, tokenizer=tokenizer,
-                                       eos_ids=eos, metrics=self.metrics, tracer=self.tracer,
-                                       heartbeat_ttl_s=self.heartbeat_ttl_s, max_length=min(contexts),
-                                       allow_lossy=self.allow_lossy, **self.coordinator_options)
+                                       drafters=self.drafter_targets, link=self.link, metrics=self.metrics,
+                                       tracer=self.tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
+                                       allow_lossy=self.allow_lossy, **kwargs, **self.coordinator_options)
         running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0)
         self._servers.append(running)
         self.target = running.target

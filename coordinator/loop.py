@@ -43,10 +43,11 @@ from redis.exceptions import RedisError
 
 from coordinator.placement import Placer
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
-from steerspec.store import InProcessStore, Store
+from steerspec.store import Endpoint, InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
 from steerspec import rounds
 from steerspec.linkemu import NO_LINK, LinkModel
+from steerspec.models.identity import ModelIdentity, compatible, drafter_fix, mismatch_message, pair_differences
 from steerspec.policies.base import MAX_K
 from steerspec.policies.registry import PolicyError, max_block, parse_spec
 from steerspec import wire
@@ -280,6 +281,8 @@ class LoopConfig:
     max_resumes: int = 4  # replica failures one session survives
     metrics: object = None  # steerspec.telemetry.SteerSpecMetrics or None
     tracer: object = None  # an OpenTelemetry tracer or None
+    model: Optional[ModelIdentity] = None  # the coordinator's tokenizer: verifiers refuse sessions it does not fit
+    identities: Dict[str, ModelIdentity] = field(default_factory=dict)  # address -> what it serves (GetStats)
 
 
 class SessionLoop:
@@ -303,6 +306,7 @@ class SessionLoop:
         self.drafter: Optional[Stream] = None
         self.use_drafter = request.mode == "speculative"
         self.steering: Optional[common_pb2.Tensor] = None
+        self.verifier_model: Optional[ModelIdentity] = None  # what the open verifier serves (its VerifyReady)
         self.verify_seq = 0  # seq of the next block on the current verifier stream
         self.failed: Dict[str, set] = {"verifier": set(), "drafter": set()}
         self._placed: List[tuple] = []
@@ -348,8 +352,39 @@ class SessionLoop:
             raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation's deadline passed")
         return left
 
+    def _identity(self, endpoint: Endpoint) -> Optional[ModelIdentity]:
+        """What a replica serves: its registry entry's identity, else what it answered to GetStats."""
+        meta = endpoint.meta if isinstance(endpoint.meta, dict) else {}
+        return ModelIdentity.from_dict(meta.get("identity")) or self.cfg.identities.get(endpoint.address)
+
+    def _fits(self, kind: str, endpoint: Endpoint) -> bool:
+        """Whether the replica's model pairs with the session's (an unknown one is checked at its open)."""
+        if kind == "verifier":
+            return compatible(self._identity(endpoint), self.cfg.model, "coordinator")
+        return compatible(self.verifier_model, self._identity(endpoint), "drafter", steering=self.req.steering)
+
+    async def _no_fit(self, kind: str) -> Optional[SessionError]:
+        """FAILED_PRECONDITION naming both models when live replicas of `kind` exist but none pairs."""
+        live = [e for e in await self.cfg.placer.live(kind) if e.address not in self.failed[kind]]
+        for endpoint in live:
+            other = self._identity(endpoint)
+            if kind == "verifier" and other is not None and self.cfg.model is not None:
+                return SessionError(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(
+                    other, self.cfg.model, "coordinator", ["no live verifier serves the coordinator's tokenizer"],
+                    f"Restart the coordinator without --tokenizer to follow verifier {endpoint.address}"))
+            if kind == "drafter" and other is not None and self.verifier_model is not None:
+                differences = pair_differences(self.verifier_model, other, steering=self.req.steering)
+                message = mismatch_message(self.verifier_model, other, "drafter", differences, drafter_fix(differences))
+                return SessionError(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {endpoint.address}: {message}")
+        return None
+
     async def _place(self, kind: str) -> Optional[str]:
-        address = await self.cfg.placer.choose(kind, exclude=self.failed[kind])
+        address = await self.cfg.placer.choose(kind, exclude=self.failed[kind],
+                                               fits=lambda endpoint: self._fits(kind, endpoint))
+        if address is None:
+            refused = await self._no_fit(kind)
+            if refused is not None:
+                raise refused
         if address is not None:
             self.cfg.placer.acquire(kind, address)
             self._placed.append((kind, address))
@@ -400,6 +435,8 @@ class SessionLoop:
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
                 seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering,
                 verification=self.req.verification, tree=self.req.tree if self.use_drafter else ""))
+            if self.cfg.model is not None:
+                opening.open.client_model.CopyFrom(wire.identity_to_proto(self.cfg.model))
             try:
                 await self.link.up(opening.ByteSize())  # the open crosses the emulated link too
                 await stream.write(opening)
@@ -420,6 +457,7 @@ class SessionLoop:
                 stream.abort()
                 raise SessionError(grpc.StatusCode.INTERNAL, f"verifier {address} answered the open with '{kind}'")
             self.verifier = stream
+            self.verifier_model = wire.identity_from_proto(reply.ready.model) if reply.ready.HasField("model") else None
             self.verify_seq = 0
             self.steering = reply.ready.steering if reply.ready.HasField("steering") else None
             return
@@ -448,6 +486,8 @@ class SessionLoop:
                 traceparent=self._begin_block_span(), verification=self.req.verification, tree=self.req.tree)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
+            if self.verifier_model is not None:
+                opening.verifier.CopyFrom(wire.identity_to_proto(self.verifier_model))
             try:
                 self._draft_asked = time.perf_counter()
                 await stream.write(drafter_pb2.DraftRequest(open=opening))

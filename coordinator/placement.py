@@ -7,7 +7,8 @@ round robin, so equal replicas share sessions evenly. Replicas that are not live
 and those the caller excludes (seen failing), are skipped. A kind can be pinned to preferred
 addresses: a coordinator given its edge-local drafters drafts on those while one is live, even
 when a shared registry also lists other edges' drafters (the only remote hop stays the
-verifier's), and falls back to any other live one when none of its own is left.
+verifier's), and falls back to any other live one when none of its own is left. A session places only on
+replicas whose model pairs with its own (`fits`, from the identity each replica registers).
 
 While the registry (Redis) fails, placement goes on from the replicas it listed last (less those
 seen failing since), so running sessions can still fail over; a log line says so.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from typing import Collection, Dict, Iterable, List, Optional
+from typing import Callable, Collection, Dict, Iterable, List, Optional
 
 from redis.exceptions import RedisError
 
@@ -52,10 +53,12 @@ class Placer:
         self._known[kind] = list(live)
         return live
 
-    async def choose(self, kind: str, exclude: Iterable[str] = ()) -> Optional[str]:
-        """The least loaded live replica of `kind` not in `exclude`, or None."""
+    async def choose(self, kind: str, exclude: Iterable[str] = (),
+                     fits: Optional[Callable[[Endpoint], bool]] = None) -> Optional[str]:
+        """The least loaded live replica of `kind` not in `exclude` (and, given `fits`, serving a model that
+        pairs with the session's), or None."""
         skip = set(exclude)
-        live = [e for e in await self.live(kind) if e.address not in skip]
+        live = [e for e in await self.live(kind) if e.address not in skip and (fits is None or fits(e))]
         preferred = [e for e in live if e.address in self.pinned.get(kind, ())]
         live = preferred or live
         if not live:

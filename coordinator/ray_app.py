@@ -114,7 +114,7 @@ class _ModelServerActor(_ServerActor):
             running, servicer = await self._serve(_bind_host(self.host))
             try:
                 await announce(running, self.service, load=lambda: len(servicer.table), redis_url=self.redis_url,
-                               ttl_s=self.heartbeat_ttl_s)
+                               ttl_s=self.heartbeat_ttl_s, identity=servicer.identity)
             except BaseException:
                 await running.stop(grace=0)
                 raise
@@ -176,7 +176,7 @@ class DrafterServer(_ModelServerActor):
 class CoordinatorServer(_ServerActor):
     """The coordinator (public Generate API) served from this actor, next to its drafter."""
 
-    def __init__(self, verifiers: Sequence[str] = (), drafters: Sequence[str] = (), tokenizer: Optional[str] = "verifier",
+    def __init__(self, verifiers: Sequence[str] = (), drafters: Sequence[str] = (), tokenizer: Optional[str] = "auto",
                  rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0, link_seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
                  trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
@@ -198,7 +198,8 @@ class CoordinatorServer(_ServerActor):
     async def start(self) -> str:
         if self.running is not None:
             return self.running.target
-        from coordinator.cli import load_tokenizer_and_eos
+        from coordinator.cli import coordinator_kwargs, coordinator_model
+        from coordinator.model_check import FOLLOW
         from coordinator.server import Coordinator, serve
         from steerspec.store import open_store
         from steerspec.linkemu import LinkModel
@@ -216,10 +217,10 @@ class CoordinatorServer(_ServerActor):
             metrics = SteerSpecMetrics()
             self.metrics_server, port = start_metrics_server(self.metrics_port, metrics.registry, addr=host)
             self.metrics_address = f"{host}:{port}"
-        tokenizer, eos = load_tokenizer_and_eos(self.tokenizer_name)
+        model = await coordinator_model(self.verifiers, self.drafters, self.tokenizer_name or FOLLOW, None)
         coordinator = Coordinator(store=await open_store(self.redis_url), verifiers=self.verifiers,
-                                  drafters=self.drafters,
-                                  link=LinkModel(**self.link_args).validate(), tokenizer=tokenizer, eos_ids=eos,
+                                  drafters=self.drafters, **coordinator_kwargs(model, None),
+                                  link=LinkModel(**self.link_args).validate(),
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
                                   defaults={"policy": self.policy} if self.policy else None,
                                   allow_lossy=self.allow_lossy,

@@ -23,12 +23,15 @@ from redis.exceptions import RedisError
 from coordinator import counters
 from coordinator.admission import Admission
 from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
+from coordinator.model_check import CoordinatorModel, follow, stats_identity
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer
 from coordinator.quotas import SessionQuota
 from steerspec import security
+from steerspec.errors import UsageError
 from steerspec.linkemu import NO_LINK, LinkModel
+from steerspec.models.identity import ModelIdentity, tokenizer_fingerprint
 from steerspec.ownership import ClaimError, Ownership
 from steerspec.sampling import SamplingParams
 from steerspec.store import InProcessStore, Store, keep_registered
@@ -78,7 +81,8 @@ class Coordinator:
                  link: LinkModel = NO_LINK, tokenizer=None, eos_ids: Sequence[int] = (), metrics=None,
                  tracer=None, heartbeat_ttl_s: float = 5.0, defaults: Optional[Dict[str, object]] = None,
                  max_length: Optional[int] = None, allow_lossy: bool = False,
-                 max_sessions_per_identity: int = 0) -> None:
+                 max_sessions_per_identity: int = 0, model: Optional[ModelIdentity] = None,
+                 follow_verifier: bool = False) -> None:
         self.allow_lossy = bool(allow_lossy)  # serve lossy verification modes (SPRINTER) only when asked
         self.store = store if store is not None else InProcessStore()
         drafters = list(drafters)
@@ -90,27 +94,74 @@ class Coordinator:
         self.ttl_s = heartbeat_ttl_s
         self.defaults = dict(defaults or {})
         self.channels = Channels()
+        if model is None and tokenizer is not None:  # a tokenizer given as an object: its content is its identity
+            model = ModelIdentity(name=str(getattr(tokenizer, "name_or_path", "") or "tokenizer"),
+                                  tokenizer=tokenizer_fingerprint(tokenizer))
+        # no tokenizer yet: take the verifier's model at the first session (coordinator/model_check.py)
+        self.follow_verifier = bool(follow_verifier) and tokenizer is None
+        self.max_length_flag = max_length  # --max-length as given: checked against the verifier's context
+        self._model_lock = asyncio.Lock()
         self.config = LoopConfig(placer=Placer(self.store, pinned={"drafter": drafters}), channels=self.channels,
                                  store=self.store, link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
-                                 metrics=metrics, tracer=tracer)
+                                 metrics=metrics, tracer=tracer, model=model)
         self._heartbeats: List[asyncio.Task] = []
+
+    def adopt(self, model: CoordinatorModel) -> None:
+        """Tokenise, stop and cap the context with `model` from now on (the verifier's, resolved here)."""
+        self.tokenizer = model.tokenizer
+        self.admission = Admission(model.tokenizer, model.max_length)
+        self.config.model = model.identity
+        self.config.eos_ids = tuple(model.eos_ids)
+        self.config.max_length = model.max_length
+        self.follow_verifier = False
+
+    async def ensure_model(self) -> None:
+        """Follow the verifier's model when start-up could not (no verifier answered then): FAILED_PRECONDITION
+        when it does not resolve here or does not fit; UNAVAILABLE while no verifier answers."""
+        if not self.follow_verifier:
+            return
+        async with self._model_lock:
+            if not self.follow_verifier:
+                return
+            identity = None
+            for endpoint in await self.config.placer.live("verifier"):
+                meta = endpoint.meta if isinstance(endpoint.meta, dict) else {}
+                identity = ModelIdentity.from_dict(meta.get("identity")) or await stats_identity(
+                    self.channels, "verifier", endpoint.address)
+                if identity is not None:
+                    break
+            if identity is None:
+                raise SessionError(grpc.StatusCode.UNAVAILABLE,
+                                   "no verifier has told this coordinator its model yet (none answers): start one, "
+                                   "or start the coordinator with --tokenizer naming the verifier's model")
+            try:
+                self.adopt(await asyncio.to_thread(follow, identity, None, self.max_length_flag))
+            except UsageError as exc:
+                raise SessionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            log.info("following the verifier's model %s", identity.label())
 
     async def start(self) -> None:
         """Register the static replicas now and keep them registered while they pass a health check."""
         for kind, address in self.static:
             await self.store.register(kind, address, self.ttl_s)
-            probe = self._health_probe(address)
+            probe = self._health_probe(address, kind)
             self._heartbeats.append(asyncio.create_task(
                 keep_registered(self.store, kind, address, self.ttl_s, probe=probe)))
 
-    def _health_probe(self, address: str):
+    def _health_probe(self, address: str, kind: str):
+        """A health check of a static replica that also learns what it serves (placement pairs by it)."""
         async def probe() -> bool:
             stub = health_pb2_grpc.HealthStub(self.channels.get(address))
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
             except grpc.aio.AioRpcError:
                 return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving and address not in self.config.identities:
+                identity = await stats_identity(self.channels, kind, address, timeout=1.0)
+                if identity is not None:
+                    self.config.identities[address] = identity
+            return serving
         return probe
 
     async def stop(self) -> None:
@@ -242,6 +293,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def Generate(self, request, context):
         try:
+            await self.coordinator.ensure_model()
             session = self.coordinator.session_request(request, await self.coordinator.admission.prompt_ids(request))
         except SessionError as exc:
             await context.abort(exc.code, exc.message)

@@ -90,7 +90,7 @@ async def _main(args) -> int:
     if metrics is not None:
         metrics.watch_table(servicer.table, servicer.table.cache_bytes)
     await registration.announce(running, "drafter", load=lambda: len(servicer.table), redis_url=args.redis_url,
-                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
+                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s, identity=servicer.identity)
     steer = "with SD² steering" if hooks is not None else "without steering"
     print(f"steerspec drafter serving {args.model} ({steer}) on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)

@@ -24,6 +24,8 @@ import torch
 from steerspec import rounds
 from steerspec import wire
 from steerspec.compute import inline_compute
+from steerspec.models.identity import (ModelIdentity, describe_model, drafter_fix, mismatch_message,
+                                       pair_differences)
 from steerspec.models.kv import FastCachedLM, prepare_weight_copies
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.sampling import MAX_DRAFT_TOP_K
@@ -48,6 +50,7 @@ class DrafterConfig:
     policy: str = ""  # draft-length policy for sessions that name none ("" = fixed with the session's k)
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
     sprinter_head: Optional[str] = None  # SPRINTER head directory (default: MODEL/sprinter) for lossy sessions
+    identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its steering)
 
 
 def _verification(spec: str):
@@ -74,6 +77,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.config = config
         self.drafter = Drafter(model, hooks)
         self.vocab_size = self.drafter.vocab_size
+        self.identity = config.identity or describe_model(
+            model, config.model_name, steering=getattr(hooks, "steering", None), role="drafter")
         self.table = DrafterSessionTable(model, config.max_sessions)
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
                                     max_batch=config.max_sessions, inline=inline_compute(model))
@@ -96,7 +101,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     def stats(self) -> common_pb2.ServiceStats:
         return common_pb2.ServiceStats(active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
                                        max_sessions=self.table.max_sessions, blocks_total=self.table.blocks_total,
-                                       model=self.config.model_name)
+                                       model=self.config.model_name, identity=wire.identity_to_proto(self.identity))
 
     async def GetDrafterStats(self, request, context):
         return drafter_pb2.GetDrafterStatsResponse(stats=self.stats())
@@ -134,6 +139,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         prompt = wire.ids_array(msg.prompt_ids)
         if prompt.size == 0:
             raise wire.invalid("prompt_ids is empty: a session needs at least one prompt token")
+        self._check_verifier(msg)
         wire.check_ids(prompt, self.vocab_size, "prompt_ids")
         if prompt.size >= self.drafter.context:
             raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
@@ -182,6 +188,17 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
             session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold, loaded.lam)
         return session
+
+    def _check_verifier(self, msg: drafter_pb2.DraftOpen) -> None:
+        """FAILED_PRECONDITION when this drafter cannot draft for the session's verifier (DraftOpen.verifier):
+        another tokenizer or vocabulary, or (a steered session) SD² weights that do not read its head's vectors."""
+        verifier = wire.identity_from_proto(msg.verifier) if msg.HasField("verifier") else None
+        if verifier is None:
+            return
+        differences = pair_differences(verifier, self.identity, steering=wire.has_tensor(msg.steering))
+        if differences:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(
+                verifier, self.identity, "drafter", differences, drafter_fix(differences)))
 
     def _sprinter_head(self):
         """The SPRINTER head of this drafter (loaded once); FAILED_PRECONDITION naming the drafter without one."""

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Client", "__version__"]
+
+# Lazy exports, so `import steerspec` stays cheap (no grpc/torch import until a name is used).
+_SDK = ("Client", "Chunk", "Summary")
+_ERRORS = ("SteerSpecError", "InvalidArgument", "OutOfRange", "FailedPrecondition", "Unauthenticated",
+           "PermissionDenied", "ResourceExhausted", "Unavailable", "Aborted", "DeadlineExceeded", "Cancelled",
+           "InternalError", "ResumeMismatch", "MissingSummary", "from_rpc_error")
+_EXPORTS = {**{name: "coordinator.client" for name in _SDK}, **{name: "coordinator.errors" for name in _ERRORS}}
+
+__all__ = [*_SDK, *_ERRORS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy exports, so `import steerspec` stays cheap (no grpc/torch import until needed)."""
-    if name == "Client":
-        from coordinator.client import Client
-
-        return Client
-    raise AttributeError(f"module 'steerspec' has no attribute {name!r}")
+    """Lazy exports: the SDK (`Client`, `Chunk`, `Summary`) and its errors (`coordinator.errors`)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'steerspec' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -3,7 +3,8 @@
     check_args(args)                       # in run(): flag values, before anything loads
     await check_reachable(args.redis_url)  # before the model loads: an unreachable Redis is a UsageError
     running, servicer = await serve(...)
-    await announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url, ...)
+    await announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
+                   identity=servicer.identity, ...)
 
 `announce` registers the advertised address with a TTL and renews it every ttl/3 with the replica's
 `active_sessions` (coordinator placement reads it), so a coordinator started with only
@@ -23,6 +24,7 @@ import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
 from steerspec.errors import UsageError
+from steerspec.models.identity import ModelIdentity
 from steerspec.store import Store, connect_redis, keep_registered
 from steerspec.targets import parse_targets
 
@@ -81,8 +83,9 @@ class Registration:
     """One replica's registry entry: registered, renewed with its load, withdrawn on shutdown."""
 
     def __init__(self, store: Store, kind: str, address: str, ttl_s: float = DEFAULT_TTL_S,
-                 load: Callable[[], int] = lambda: 0) -> None:
+                 load: Callable[[], int] = lambda: 0, identity: Optional[ModelIdentity] = None) -> None:
         self.store = store
+        self.identity = identity  # what the replica serves: coordinators place sessions only where it pairs
         self.kind = kind
         self.address = address
         self.ttl_s = ttl_s
@@ -90,7 +93,10 @@ class Registration:
         self.task: Optional[asyncio.Task] = None  # the heartbeat
 
     async def _meta(self) -> dict:
-        return {"active_sessions": int(self.load())}
+        meta: dict = {"active_sessions": int(self.load())}
+        if self.identity is not None:
+            meta["identity"] = self.identity.to_dict()
+        return meta
 
     async def start(self) -> None:
         """Register now and heartbeat every ttl/3 from a background task."""
@@ -125,12 +131,13 @@ class Registration:
 
 async def announce(running: RunningServer, kind: str, *, load: Callable[[], int], redis_url: Optional[str],
                    advertise: Optional[str] = None, ttl_s: float = DEFAULT_TTL_S,
-                   prefix: str = "steerspec:") -> Optional[Registration]:
+                   prefix: str = "steerspec:", identity: Optional[ModelIdentity] = None) -> Optional[Registration]:
     """Register `running` as a `kind` replica in Redis and hook its stop; None (nothing done) without a URL."""
     if not redis_url:
         return None
     store = await connect_redis(redis_url, prefix=prefix)
-    registration = Registration(store, kind, advertised_address(running.host, running.port, advertise), ttl_s, load)
+    registration = Registration(store, kind, advertised_address(running.host, running.port, advertise), ttl_s, load,
+                                identity)
     try:
         await registration.start()
     except BaseException:

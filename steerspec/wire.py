@@ -359,3 +359,27 @@ def check_path(shape, path: Sequence[int], accepted: int, seq: int) -> None:
             raise invalid(f"result.path {list(path)} is not a path from the root of block {seq}'s tree "
                           f"({shape.size} nodes, parents {list(shape.parents)})")
         parent = node
+
+
+def identity_to_proto(identity) -> common_pb2.ModelIdentity:
+    """A `models.identity.ModelIdentity` on the wire (None: an empty message, "unknown")."""
+    if identity is None:
+        return common_pb2.ModelIdentity()
+    return common_pb2.ModelIdentity(
+        name=identity.name, tokenizer=identity.tokenizer, vocab_size=identity.vocab_size,
+        context_length=identity.context_length, eos_ids=list(identity.eos_ids), hidden_size=identity.hidden_size,
+        steering=identity.steering, steering_layers=list(identity.steering_layers),
+        steering_hidden_size=identity.steering_hidden_size, draft_support=identity.draft_support)
+
+
+def identity_from_proto(msg: Optional[common_pb2.ModelIdentity]):
+    """A ModelIdentity from the wire, or None when the message is unset or empty (an older peer)."""
+    from steerspec.models.identity import ModelIdentity
+
+    if msg is None or not (msg.tokenizer or msg.vocab_size):
+        return None
+    return ModelIdentity(name=msg.name, tokenizer=msg.tokenizer, vocab_size=int(msg.vocab_size),
+                         context_length=int(msg.context_length), eos_ids=tuple(int(e) for e in msg.eos_ids),
+                         hidden_size=int(msg.hidden_size), steering=msg.steering,
+                         steering_layers=tuple(int(i) for i in msg.steering_layers),
+                         steering_hidden_size=int(msg.steering_hidden_size), draft_support=int(msg.draft_support))

@@ -8,12 +8,14 @@ import signal
 import socket
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from coord_helpers import greedy_reference, kill, load_cached, spawn_service, wait_ready
 from coordinator.server import Coordinator, serve as serve_coordinator
+from steerspec.models.identity import ModelIdentity, describe
 from steerspec.store import RedisStore
 from service_helpers import open_verifier, wait_for_stats as poll  # polls any async getter
 from steerspec.cli import main
@@ -241,7 +243,10 @@ def test_serve_verifier_registers_and_withdraws_on_sigterm(tiny_pair, redis_url)
             try:
                 live = await store.live("verifier")
                 assert target in addresses(live), live
-                assert next(e for e in live if e.address == target).meta == {"active_sessions": 0}
+                meta = next(e for e in live if e.address == target).meta
+                assert meta["active_sessions"] == 0
+                identity = ModelIdentity.from_dict(meta["identity"])  # what placement pairs sessions by
+                assert identity == replace(describe(tiny_pair[0]), name=str(tiny_pair[0]))
                 proc.send_signal(signal.SIGTERM)
                 live = await poll(lambda: store.live("verifier"), lambda es: target not in addresses(es), 10.0)
                 assert target not in addresses(live)

@@ -102,7 +102,7 @@ async def _main(args) -> int:
         metrics.watch_table(servicer.table, servicer.table.reserved_bytes)
     servicer.config.replica = args.advertise or f"{socket.gethostname()}:{running.port}"  # --advertise needs Redis
     await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
-                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s)
+                                advertise=args.advertise, ttl_s=args.heartbeat_ttl_s, identity=servicer.identity)
     print(f"steerspec verifier serving {args.model} on {running.target}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
     return 0

@@ -23,6 +23,7 @@ import torch
 from steerspec import rounds
 from steerspec import wire
 from steerspec.compute import inline_compute
+from steerspec.models.identity import ModelIdentity, describe_model, mismatch_message, tokenizer_differences
 from steerspec.models.kv import prepare_weight_copies
 from steerspec.models.loading import context_length
 from steerspec.policies.base import MAX_K
@@ -50,6 +51,7 @@ class VerifierConfig:
     model_name: str = ""
     kv_backend: str = "auto"  # sessions' KV caches: auto | fast | hf (verifier_service/fast_verify.session_lm)
     prefill_chunk: int = 512  # an inline (CPU) replica feeds longer prompts in passes of this many tokens; 0 = one
+    identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its head)
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> verifier_pb2.VerifyResponse:
@@ -69,6 +71,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         self.vocab_size = int(model.config.vocab_size)
         self.context = context_length(model)
         self.head = steering_head
+        self.identity = config.identity or describe_model(model, config.model_name, steering=steering_head)
         self.table = SessionTable(model, config.max_sessions, int(config.max_cache_mb * 2**20),
                                   config.kv_backend)
         self.runner = VerifyRunner(model, steering_head)
@@ -98,7 +101,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         return common_pb2.ServiceStats(
             active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
             max_sessions=self.table.max_sessions, max_cache_bytes=self.table.max_cache_bytes,
-            blocks_total=self.table.blocks_total, model=self.config.model_name)
+            blocks_total=self.table.blocks_total, model=self.config.model_name,
+            identity=wire.identity_to_proto(self.identity))
 
     async def GetVerifierStats(self, request, context):
         return verifier_pb2.GetVerifierStatsResponse(stats=self.stats())
@@ -122,6 +126,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         prompt = wire.ids_array(msg.prompt_ids)
         if prompt.size == 0:
             raise wire.invalid("prompt_ids is empty: a session needs at least one prompt token")
+        self._check_client(msg)
         wire.check_ids(prompt, self.vocab_size, "prompt_ids")
         if prompt.size > self.context:
             raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
@@ -154,10 +159,20 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         session.touch()
         ready = verifier_pb2.VerifyReady(session_id=session.session_id, committed_length=session.committed,
                                          prefill_ms=(time.perf_counter() - start) * 1e3,
-                                         replica=self.config.replica)
+                                         replica=self.config.replica, model=wire.identity_to_proto(self.identity))
         if steering is not None:
             ready.steering.CopyFrom(wire.tensor_to_proto(steering))
         return session, ready
+
+    def _check_client(self, msg: verifier_pb2.VerifyOpen) -> None:
+        """FAILED_PRECONDITION when the opener's tokenizer would give its token ids another meaning here."""
+        client = wire.identity_from_proto(msg.client_model) if msg.HasField("client_model") else None
+        differences = [] if client is None else tokenizer_differences(self.identity, client, "coordinator")
+        if differences:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(
+                self.identity, client, "coordinator", differences,
+                "Start the coordinator without --tokenizer (it follows the verifier's model) or with --tokenizer "
+                f"naming the verifier's model ({self.identity.name})"))
 
     async def _prefill(self, session: VerifierSession, prompt_ids: List[int]) -> Optional[torch.Tensor]:
         """Feed the prompt; returns block 1's steering (or None). Passes run on the loop's thread on a CPU

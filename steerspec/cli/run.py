@@ -171,18 +171,15 @@ def drafter_dtype_of(args: argparse.Namespace) -> str:
 
 
 def check_same_vocabulary(verifier_dir, drafter_dir, tokenizer) -> None:
-    """Speculative decoding needs one vocabulary on both sides."""
-    from steerspec.models import load_tokenizer, resolve_model_dir
+    """Speculative decoding needs one vocabulary on both sides: the drafter's identity checked against the
+    verifier's, as the services check it (`models/identity.py`); UsageError naming both and the fix."""
+    from steerspec.models.identity import describe, drafter_fix, mismatch_message, pair_differences
 
-    if resolve_model_dir(verifier_dir) == resolve_model_dir(drafter_dir):
-        return
-    try:
-        other = load_tokenizer(drafter_dir)
-    except UsageError:
-        return  # no tokenizer beside the drafter: assume the verifier's
-    if other.get_vocab() != tokenizer.get_vocab():
-        raise UsageError(f"the drafter ({drafter_dir}) and the verifier ({verifier_dir}) use different "
-                         "tokenizers; speculative decoding needs a shared vocabulary")
+    verifier = describe(verifier_dir, tokenizer)
+    drafter = describe(drafter_dir, role="drafter")
+    differences = pair_differences(verifier, drafter)
+    if differences:
+        raise UsageError(mismatch_message(verifier, drafter, "drafter", differences, drafter_fix(differences)))
 
 
 def encode_prompt(tokenizer, prompt: str, max_length: int) -> List[int]:

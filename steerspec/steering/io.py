@@ -122,6 +122,7 @@ def load_steering(directory: PathLike, dtype: torch.dtype = torch.float32, devic
     drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
     head.to(device=device, dtype=dtype).eval()
     drafter.to(device=device, dtype=dtype).eval()
+    head.checkpoint = drafter.checkpoint = str(d.resolve())  # what the services' model identity fingerprints
     return SteeringWeights(config=config, head=head, drafter=drafter)
 
 

@@ -115,17 +115,43 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ServiceStats(_message.Message):
-    __slots__ = ("active_sessions", "cache_bytes", "max_sessions", "max_cache_bytes", "blocks_total", "model")
+    __slots__ = ("active_sessions", "cache_bytes", "max_sessions", "max_cache_bytes", "blocks_total", "model", "identity")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     cache_bytes: int
     max_sessions: int
     max_cache_bytes: int
     blocks_total: int
     model: str
-    def __init__(self, active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., blocks_total: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    identity: ModelIdentity
+    def __init__(self, active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+
+class ModelIdentity(_message.Message):
+    __slots__ = ("name", "tokenizer", "vocab_size", "context_length", "eos_ids", "hidden_size", "steering", "steering_layers", "steering_hidden_size", "draft_support")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EOS_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FIELD_NUMBER: _ClassVar[int]
+    STEERING_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STEERING_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokenizer: str
+    vocab_size: int
+    context_length: int
+    eos_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    steering: str
+    steering_layers: _containers.RepeatedScalarFieldContainer[int]
+    steering_hidden_size: int
+    draft_support: int
+    def __init__(self, name: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., steering: _Optional[str] = ..., steering_layers: _Optional[_Iterable[int]] = ..., steering_hidden_size: _Optional[int] = ..., draft_support: _Optional[int] = ...) -> None: ...

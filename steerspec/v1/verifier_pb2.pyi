@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "max_k", "steering", "verification", "tree")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "max_k", "steering", "verification", "tree", "client_model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifyOpen(_message.Message):
     STEERING_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class VerifyOpen(_message.Message):
     steering: bool
     verification: str
     tree: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_k: _Optional[int] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ...) -> None: ...
+    client_model: _common_pb2.ModelIdentity
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_k: _Optional[int] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., client_model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyClose(_message.Message):
     __slots__ = ("reason",)
@@ -44,18 +46,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifyOpen, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., close: _Optional[_Union[VerifyClose, _Mapping]] = ...) -> None: ...
 
 class VerifyReady(_message.Message):
-    __slots__ = ("session_id", "committed_length", "steering", "prefill_ms", "replica")
+    __slots__ = ("session_id", "committed_length", "steering", "prefill_ms", "replica", "model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
     steering: _common_pb2.Tensor
     prefill_ms: float
     replica: str
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., replica: _Optional[str] = ...) -> None: ...
+    model: _common_pb2.ModelIdentity
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., replica: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("ready", "result", "error")
