@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, List, Optional, Tuple
 
 import grpc
@@ -50,7 +50,7 @@ def local_model(name: str, max_length: Optional[int] = None) -> CoordinatorModel
     if source is None:
         raise UsageError(f"{name} has no tokenizer files (tokenizer.json, ...): pass a checkpoint directory with one")
     tokenizer = load_tokenizer(source)
-    identity = describe(path, tokenizer)
+    identity = replace(describe(path, tokenizer), name=str(name))
     return CoordinatorModel(tokenizer, identity, identity.eos_ids, max_length or identity.context_length or None)
 
 
