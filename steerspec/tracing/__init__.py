@@ -262,10 +262,11 @@ def get_tracer(name: str = TRACER_NAME) -> trace.Tracer:
 
 
 def _quiet_filter():
-    """Trace SteerSpec's own services only (not health checks, reflection or Ray's internal gRPC)."""
+    """Trace SteerSpec's own sessions only: not health checks, reflection, Ray's internal gRPC, nor the
+    GetVerifierStats / GetDrafterStats probes (a coordinator asks what a replica serves at start-up)."""
     from opentelemetry.instrumentation.grpc import filters
 
-    return filters.service_prefix("steerspec.")
+    return filters.all_of(filters.service_prefix("steerspec."), filters.negate(filters.method_prefix("Get")))
 
 
 def _make_server_interceptor():
