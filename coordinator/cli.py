@@ -62,10 +62,7 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
     """EOS ids of a checkpoint directory (generation config, config), else the tokenizer's."""
     from steerspec.models.identity import config_eos
 
-    eos = config_eos(path)
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        return (int(tokenizer.eos_token_id),)
-    return eos
+    return config_eos(path, tokenizer)
 
 
 async def coordinator_model(verifiers, drafters, tokenizer: Optional[str], max_length: Optional[int]):

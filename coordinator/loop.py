@@ -41,7 +41,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 import grpc
 from redis.exceptions import RedisError
 
-from coordinator.placement import Placer
+from coordinator.placement import Placer, registered_identity
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
 from steerspec.store import Endpoint, InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
@@ -353,9 +353,7 @@ class SessionLoop:
         return left
 
     def _identity(self, endpoint: Endpoint) -> Optional[ModelIdentity]:
-        """What a replica serves: its registry entry's identity, else what it answered to GetStats."""
-        meta = endpoint.meta if isinstance(endpoint.meta, dict) else {}
-        return ModelIdentity.from_dict(meta.get("identity")) or self.cfg.identities.get(endpoint.address)
+        return registered_identity(endpoint, self.cfg.identities)
 
     def _fits(self, kind: str, endpoint: Endpoint) -> bool:
         """Whether the replica's model pairs with the session's (an unknown one is checked at its open)."""

@@ -40,6 +40,11 @@ class CoordinatorModel:
     max_length: Optional[int] = None
 
 
+def explicit(tokenizer: Optional[str]) -> bool:
+    """Whether --tokenizer names a model (else the coordinator follows the verifier's)."""
+    return bool(tokenizer) and tokenizer != FOLLOW
+
+
 def local_model(name: str, max_length: Optional[int] = None) -> CoordinatorModel:
     """The tokenizer, identity and EOS of a bundled name or directory on this host (UsageError when absent)."""
     from steerspec.models.identity import tokenizer_dir
@@ -58,17 +63,17 @@ def follow(verifier: ModelIdentity, tokenizer: Optional[str] = None,
            max_length: Optional[int] = None) -> CoordinatorModel:
     """The coordinator's model for a verifier serving `verifier`: its own (resolved here) or the given
     `tokenizer`, checked to agree; UsageError with one line naming both sides and the fix otherwise."""
-    explicit = bool(tokenizer) and tokenizer != FOLLOW
+    named = explicit(tokenizer)
     try:
-        model = local_model(tokenizer if explicit else verifier.name)
+        model = local_model(tokenizer if named else verifier.name)
     except UsageError as exc:
-        if explicit:
+        if named:
             raise
         raise UsageError(f"the verifier serves {verifier.label()}, which does not resolve on this host ({exc}); "
                          "pass --tokenizer naming a local copy of its checkpoint (tokenizer files suffice)") from None
     differences = tokenizer_differences(verifier, model.identity, "coordinator")
     if differences:
-        fix = TOKENIZER_FIX if explicit else "Pass --tokenizer naming a local copy of the verifier's checkpoint"
+        fix = TOKENIZER_FIX if named else "Pass --tokenizer naming a local copy of the verifier's checkpoint"
         raise UsageError(mismatch_message(verifier, model.identity, "coordinator", differences,
                                           f"{fix} ({verifier.name})"))
     context = verifier.context_length or model.identity.context_length or None
@@ -123,9 +128,8 @@ async def check_deployment(channels, verifiers: Iterable[str], drafters: Iterabl
         if tokenizer_differences(first, other, "verifier"):
             raise UsageError(f"--verifier replicas serve different models: {a} {first.label()}, {b} {other.label()}; "
                              "give one coordinator replicas of one model")
-    explicit = bool(tokenizer) and tokenizer != FOLLOW
     if not found:
-        if not explicit:
+        if not explicit(tokenizer):
             return None
         return await asyncio.to_thread(local_model, tokenizer, max_length)
     verifier = found[0][1]

@@ -23,9 +23,17 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional
 
 from redis.exceptions import RedisError
 
+from steerspec.models.identity import ModelIdentity
 from steerspec.store import Endpoint, Store
 
 log = logging.getLogger(__name__)
+
+
+def registered_identity(endpoint: Endpoint,
+                        known: Optional[Dict[str, ModelIdentity]] = None) -> Optional[ModelIdentity]:
+    """What a replica serves: its registry entry's identity, else what it answered to GetStats (`known`)."""
+    meta = endpoint.meta if isinstance(endpoint.meta, dict) else {}
+    return ModelIdentity.from_dict(meta.get("identity")) or (known or {}).get(endpoint.address)
 
 
 class NoReplica(RuntimeError):

@@ -26,7 +26,7 @@ from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.model_check import CoordinatorModel, follow, stats_identity
 from coordinator.results import Chunk, DistributedResult
 from coordinator.streams import Channels, SessionError
-from coordinator.placement import Placer
+from coordinator.placement import Placer, registered_identity
 from coordinator.quotas import SessionQuota
 from steerspec import security
 from steerspec.errors import UsageError
@@ -125,8 +125,7 @@ class Coordinator:
                 return
             identity = None
             for endpoint in await self.config.placer.live("verifier"):
-                meta = endpoint.meta if isinstance(endpoint.meta, dict) else {}
-                identity = ModelIdentity.from_dict(meta.get("identity")) or await stats_identity(
+                identity = registered_identity(endpoint, self.config.identities) or await stats_identity(
                     self.channels, "verifier", endpoint.address)
                 if identity is not None:
                     break

@@ -109,15 +109,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "" if tokenizer is None else digest(tokenizer_content(tokenizer))
 
 
-def file_digest(path: Union[str, Path]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------- from a directory
 def has_tokenizer(path: Union[str, Path]) -> bool:
     return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
 
@@ -138,14 +129,16 @@ def tokenizer_dir(model_dir: Union[str, Path]) -> Optional[Path]:
     return None
 
 
-def config_eos(path: Union[str, Path]) -> Tuple[int, ...]:
-    """EOS ids of a checkpoint directory: its generation config, else its config."""
+def config_eos(path: Union[str, Path], tokenizer=None) -> Tuple[int, ...]:
+    """EOS ids of a checkpoint directory: its generation config, else its config, else the tokenizer's."""
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
             eos = json.loads(f.read_text()).get("eos_token_id")
             if eos is not None:
                 return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
     return ()
 
 
@@ -160,9 +153,7 @@ def describe(name: Union[str, Path], tokenizer=None, *, steering_dir: Union[str,
     if tokenizer is None:
         source = tokenizer_dir(path)
         tokenizer = load_tokenizer(source) if source is not None else None
-    eos = config_eos(path)
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = (int(tokenizer.eos_token_id),)
+    eos = config_eos(path, tokenizer)
     vocab = int(config.get("vocab_size") or 0)
     reduced = config.get("steerspec_reduced")
     support = int(reduced.get("support_size", 0)) if isinstance(reduced, dict) else 0
@@ -210,12 +201,12 @@ def steering_fields(steering_dir: Union[str, Path, None]) -> Dict[str, object]:
     """The steering part of an identity from an SD² checkpoint directory (empty without one)."""
     if steering_dir is None:
         return {}
-    from steerspec.steering.io import CONFIG_FILE, WEIGHTS_FILE, load_steering_config
+    from steerspec.models.smollm2 import sha256
+    from steerspec.steering.io import WEIGHTS_FILE, load_steering_config
 
-    d = Path(steering_dir)
+    d = Path(steering_dir)  # loaded by `steering.load_steering`, which needs both of its files
     config = load_steering_config(d)
-    return {"steering": file_digest(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else digest(
-                json.loads((d / CONFIG_FILE).read_text())),
+    return {"steering": sha256(d / WEIGHTS_FILE),
             "steering_layers": tuple(int(i) for i in config.verifier_layers),
             "steering_hidden_size": int(config.verifier_hidden_size)}
 
