@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean protos
+.PHONY: run test test-fast install clean protos
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,14 @@ run: $(STAMP)
 test: $(STAMP)
 	bash scripts/ensure-redis.sh
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -q -p no:cacheprovider
+
+# The fast loop: pure math, models, policies and each service alone, without the slow, Redis, Ray, real-pair
+# and GPU tests (about a minute on 2 cores). `make test` still runs everything.
+FAST_DIRS := tests/test_layering.py tests/decoding tests/models tests/policies tests/steering tests/sprinter \
+             tests/data tests/serving tests/observability tests/drafter_service tests/verifier_service
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider \
+		-m "not slow and not redis and not ray and not real_pair and not cuda" $(FAST_DIRS)
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

@@ -1,4 +1,4 @@
-"""The coordinator: session placement, the round-trip loop, the client SDK (the state store is `steerspec.store`).
+"""The coordinator: session placement, the round-trip loop, the client SDK (the state store is `steerspec.serving.store`).
 
 - `coordinator.client.Client` — the SDK (`steerspec.Client`);
 - `coordinator.server.Coordinator` / `CoordinatorService` — the public Generate API (grpc.aio);

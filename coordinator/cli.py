@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-from steerspec import logs, security
 from steerspec.errors import UsageError
-from steerspec.linkemu import add_link_arguments, link_from_args
-from steerspec.targets import parse_targets
+from steerspec.serving import logs, security
+from steerspec.serving.linkemu import add_link_arguments, link_from_args
+from steerspec.serving.targets import parse_targets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +52,7 @@ def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]
     """The tokenizer of a model directory and its EOS ids (generation config, config, tokenizer)."""
     if not name:
         return None, ()
+    # lazy: the coordinator's parser loads without torch
     from coordinator.model_check import local_model
 
     model = local_model(name)
@@ -60,7 +61,8 @@ def load_tokenizer_and_eos(name: Optional[str]) -> Tuple[object, Tuple[int, ...]
 
 def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
     """EOS ids of a checkpoint directory (generation config, config), else the tokenizer's."""
-    from steerspec.models.identity import config_eos
+    # lazy: the coordinator's parser loads without torch
+    from steerspec.serving.identity import config_eos
 
     return config_eos(path, tokenizer)
 
@@ -68,6 +70,7 @@ def eos_ids_of(path: Path, tokenizer=None) -> Tuple[int, ...]:
 async def coordinator_model(verifiers, drafters, tokenizer: Optional[str], max_length: Optional[int]):
     """The checked model of a coordinator of these replicas (coordinator/model_check.py); None: follow the
     verifier from the first session (none answers now)."""
+    # lazy: the coordinator's parser loads without torch
     from coordinator.model_check import check_deployment
     from coordinator.streams import Channels
 
@@ -90,6 +93,7 @@ def policy_defaults(spec: Optional[str]) -> dict:
     """Coordinator defaults for a --policy SPEC (checked now: UsageError lists the known policies)."""
     if not spec:
         return {}
+    # lazy: the coordinator's parser loads without torch
     from steerspec.errors import UsageError
     from steerspec.policies import PolicyError, parse_spec
 
@@ -101,22 +105,31 @@ def policy_defaults(spec: Optional[str]) -> dict:
 
 
 async def _main(args) -> int:
+    # lazy: the coordinator's parser loads without torch
     from coordinator.server import Coordinator, serve
-    from steerspec.store import open_store
-    from steerspec.grpc_common import serve_until_signal
+    from steerspec.serving.grpc_common import serve_until_signal
+    from steerspec.serving.store import open_store
 
     tracer = None
     if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from steerspec.tracing import get_tracer, instrument_grpc, setup_tracing
+        # lazy: the coordinator's parser loads without torch
+        from steerspec.observability.tracing import (
+            get_tracer,
+            instrument_grpc,
+            setup_tracing,
+        )
 
         setup_tracing("steerspec-coordinator", trace_file=args.trace_file)
         instrument_grpc()
         tracer = get_tracer(__name__)
     metrics = None
     if args.metrics_port is not None:
-        from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
-
-        from steerspec.telemetry import service_metrics
+        # lazy: the coordinator's parser loads without torch
+        from steerspec.observability import service_metrics
+        from steerspec.observability.prometheus import (
+            SteerSpecMetrics,
+            start_metrics_server,
+        )
 
         metrics = SteerSpecMetrics()
         service_metrics.install(service_metrics.CallMetrics("coordinator", metrics.registry))
@@ -142,7 +155,8 @@ async def _main(args) -> int:
 
 
 def run(args) -> int:
-    from steerspec.grpc_common import check_port
+    # lazy: the coordinator's parser loads without torch
+    from steerspec.serving.grpc_common import check_port
     parse_targets(args.verifier, "--verifier")
     parse_targets(args.drafter, "--drafter")
     link_from_args(args)

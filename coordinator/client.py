@@ -22,7 +22,7 @@ again; the client skips what it already yielded and checks that the replayed pre
 no token is lost or repeated.
 
 Errors: every call (sync and asyncio, streaming or not) raises a `steerspec.SteerSpecError`
-subclass for a failed call (`coordinator.errors`: InvalidArgument, FailedPrecondition, Unavailable once
+subclass for a failed call (`coordinator.exceptions`: InvalidArgument, FailedPrecondition, Unavailable once
 the retries are exhausted, ...), raised from grpc's own error; they are `grpc.RpcError`s with
 `code()`/`details()`, so `except grpc.RpcError` keeps working. Arguments rejected here before any call
 are plain ValueErrors.
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Dict, Iterator, List, Optional,
 
 import grpc
 
-from coordinator.errors import MissingSummary, ResumeMismatch, SteerSpecError, from_rpc_error
+from coordinator.exceptions import MissingSummary, ResumeMismatch, SteerSpecError, from_rpc_error
 
 if TYPE_CHECKING:
-    from steerspec.security import ClientSecurity
+    from steerspec.serving.security import ClientSecurity
 from steerspec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)  # ABORTED: the session is live elsewhere
@@ -121,8 +121,9 @@ Item = Union[Chunk, Summary]
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
              steering, session_id, verification="exact", tree="") -> coordinator_pb2.GenerateRequest:
+    # lazy: the SDK imports without torch
+    from steerspec.decoding.trees import parse_tree
     from steerspec.sprinter.spec import parse_verification
-    from steerspec.trees import parse_tree
 
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("pass exactly one of prompt (text) or prompt_ids")
@@ -173,7 +174,8 @@ class _Dedup:
 
 
 def _security():
-    from steerspec import security
+    # lazy: the SDK imports without torch
+    from steerspec.serving import security
 
     return security
 
@@ -195,7 +197,8 @@ class Client:
         """`token`: bearer token; `tls_ca` (PEM path) turns TLS on, `tls_cert`/`tls_key` add a client
         certificate (mTLS); `security` gives all at once (default: $STEERSPEC_TLS_CA / $STEERSPEC_TOKEN).
         The default retry budget (10 jittered backoffs, >= 14 s) outlasts a coordinator restart."""
-        from steerspec import security as sec
+        # lazy: the SDK imports without torch
+        from steerspec.serving import security as sec
 
         if security is None:
             if token or tls_ca or tls_cert:

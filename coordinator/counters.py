@@ -1,4 +1,4 @@
-"""Coordinator counters beyond the per-call ones (`steerspec.telemetry.service_metrics`).
+"""Coordinator counters beyond the per-call ones (`steerspec.observability.service_metrics`).
 
 ``steerspec_sessions_uncheckpointed_total{service}``: sessions that went on without checkpoints
 because the store (Redis) failed under them (a resume after a coordinator restart starts them from
@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 
 from prometheus_client import Counter
 
-from steerspec.telemetry import service_metrics
+from steerspec.observability import service_metrics
 
 _COUNTERS: Dict[Tuple[int, str], Counter] = {}
 HELP = {

@@ -9,8 +9,7 @@
 - ``ray``: verifier, drafter and coordinator actors (`coordinator.ray_app`), each serving gRPC from its own
   worker process, on the Ray at ``address`` or on a one-node loopback Ray started (and stopped) here.
 
-This module is the one place that starts Ray (`init_ray`); Ray's loopback-only setting goes into the
-environment when Ray is imported through `import_ray`, not when a module is imported.
+Ray itself is started in one place, `coordinator/ray_setup.py`.
 `run_distributed(args, prompt_ids)` is `steerspec run --transport grpc`: one deployment, one generation.
 """
 
@@ -24,48 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from coordinator import ray_app
+from coordinator.client import Client
+from coordinator.local import LocalCluster
+from coordinator.ray_setup import import_ray, init_ray
+from coordinator.summary import result_from_summary
 from steerspec.errors import UsageError
-from steerspec.linkemu import NO_LINK, LinkModel, link_from_args
+from steerspec.models.loading import resolve_device
+from steerspec.serving.linkemu import NO_LINK, LinkModel, link_from_args
+from steerspec.steering.io import steering_dir
+from steerspec.sprinter.spec import parse_verification
 
 DEPLOYMENTS = ("local", "ray")
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # read by Ray at import: a local Ray binds 127.0.0.1
-RAY_CPUS = 2
-
-
-def import_ray():
-    """The `ray` module, imported with Ray's loopback-only setting in the environment (unless set otherwise)."""
-    for key, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
-    import ray
-
-    return ray
-
-
-def init_ray(address: Optional[str] = None, *, edge: float = 2, verifier: float = 1) -> bool:
-    """Connect to the Ray at `address`, or start a one-node loopback Ray with `edge`/`verifier` resources.
-
-    Returns True when this call started or connected Ray (the caller then shuts it down), False when
-    Ray was already initialised (a shared Ray, e.g. the test session's).
-    """
-    ray = import_ray()
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-        return True
-    from coordinator.ray_app import EDGE, VERIFIER
-
-    # Workers import coordinator/, verifier_service/ and drafter_service/ from where this package lives.
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    # address="local": always a new Ray of our own, never one another process started on this machine
-    # (a bare ray.init() joins the cluster named in /tmp/ray/ray_current_cluster).
-    ray.init(address="local", num_cpus=RAY_CPUS, resources={EDGE: edge, VERIFIER: verifier}, include_dashboard=False,
-             log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
-    return True
-
-
 @dataclass
 class Services:
     """What to deploy, the same for both deployments.
@@ -99,15 +68,6 @@ class Services:
         return steering_dir(self.drafter)
 
 
-def steering_dir(drafter) -> Optional[str]:
-    """The drafter's checkpoint directory when it carries SD² steering weights, else None."""
-    from steerspec.models import resolve_model_dir
-    from steerspec.steering import has_steering
-
-    path = resolve_model_dir(str(drafter))
-    return str(path) if has_steering(path) else None
-
-
 class RayDeployment:
     """`Services` as Ray actors (`coordinator.ray_app.deploy`), started and stopped from an event loop.
 
@@ -137,8 +97,6 @@ class RayDeployment:
         return list(self.deployment.drafter_targets)
 
     def _deploy(self):
-        from coordinator import ray_app
-
         s = self.services
         self.started_ray = init_ray(self.address, edge=1 + max(1, s.drafters))
         link = s.link.validate()
@@ -186,8 +144,6 @@ class RayDeployment:
 
     def client(self, **kwargs):
         """A `steerspec.Client` for the (first) coordinator."""
-        from coordinator.client import Client
-
         return Client(self.target, **kwargs)
 
 
@@ -203,7 +159,6 @@ def launch(services: Services, deployment: str = "local", *, address: Optional[s
         raise UsageError(f"--deployment must be one of {', '.join(DEPLOYMENTS)}, got '{deployment}'")
     if address or placement:
         raise UsageError(f"the local deployment takes no Ray address or placement ({', '.join(placement)})")
-    from coordinator.local import LocalCluster
 
     return LocalCluster(services.verifier, services.drafter, drafters=services.drafters,
                         link=services.link.validate(), tokenizer=services.tokenizer, dtype=services.dtype,
@@ -224,10 +179,7 @@ def _arg(args, name: str, default):
 def run_distributed(args, prompt_ids: Sequence[int]):
     """`steerspec run --transport grpc`: deploy (--deployment local|ray), generate once through the public
     Generate API, stop everything; returns a `coordinator.summary.SummaryResult`."""
-    from steerspec.models.loading import resolve_device
-
     resolve_device(_arg(args, "device", "cpu"))  # a bad or absent device: one line here, not a server's traceback
-    from steerspec.sprinter.spec import parse_verification
 
     mode = _arg(args, "mode", "speculative")
     lossy = parse_verification(_arg(args, "verification", "exact")).lossy  # asked for on the command line
@@ -244,9 +196,6 @@ def run_distributed(args, prompt_ids: Sequence[int]):
 
 
 async def _generate_once(services: Services, deployment: str, args, prompt_ids: List[int]):
-    from coordinator.client import Client
-    from coordinator.summary import result_from_summary
-
     remote = _arg(args, "coordinator", None)
     async with (contextlib.nullcontext(None) if remote else launch(services, deployment)) as running:
         start = time.perf_counter()

@@ -18,19 +18,33 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from coordinator.cli import coordinator_kwargs, coordinator_model
+from coordinator.client import Client
 from coordinator.loop import SessionLoop, SessionRequest
+from coordinator.model_check import FOLLOW
 from coordinator.results import DistributedResult
-from coordinator.server import Coordinator, serve as serve_coordinator
-from steerspec.linkemu import NO_LINK, LinkModel
-from steerspec.sampling import SamplingParams
-from steerspec.store import Store
+from coordinator.server import Coordinator, check_verification
+from coordinator.server import serve as serve_coordinator
+from drafter_service.cli import load_drafter
+from drafter_service.server import DrafterConfig
+from drafter_service.server import serve as serve_drafter
+from steerspec.decoding.sampling import SamplingParams
+from steerspec.models import context_length, load_model
+from steerspec.models.layouts import drafter_dtype
+from steerspec.models.loading import apply_threads
+from steerspec.observability.tracing import flush_tracing, get_tracer, instrument_grpc, setup_tracing
+from steerspec.serving.linkemu import NO_LINK, LinkModel
+from steerspec.serving.store import Store, open_store
+from steerspec.steering.io import steering_dir as find_steering_dir
+from steerspec.v1 import drafter_pb2, verifier_pb2
+from verifier_service.cli import load_head
+from verifier_service.server import VerifierConfig
+from verifier_service.server import serve as serve_verifier
 
 log = logging.getLogger(__name__)
 
 
 def _load(model, dtype: str, device: str):
-    from steerspec.models import load_model
-
     return load_model(model, dtype=dtype, device=device) if isinstance(model, (str, os.PathLike)) else model
 
 
@@ -92,20 +106,11 @@ class LocalCluster:
         await self.stop()
 
     async def start(self) -> None:
-        from coordinator.cli import coordinator_kwargs, coordinator_model
-        from coordinator.launch import steering_dir as find_steering_dir
-        from coordinator.model_check import FOLLOW
-        from verifier_service.server import VerifierConfig, serve as serve_verifier
-
         if self.trace_file and self.tracer is None:
-            from steerspec.tracing import get_tracer, instrument_grpc, setup_tracing
-
             setup_tracing("steerspec-local", trace_file=self.trace_file)
             instrument_grpc()
             self.tracer = get_tracer("coordinator")
         if self.redis_url and self.store is None:
-            from steerspec.store import open_store
-
             self.store = await open_store(self.redis_url)
         verifier_model = _load(self.verifier, self.dtype, self.device)
         self._threads(verifier_model)
@@ -119,7 +124,6 @@ class LocalCluster:
         self.steering = steering_dir is not None
         head = None
         if steering_dir is not None:  # an SD² drafter: the verifier runs its W_hml
-            from verifier_service.cli import load_head
 
             head = load_head(steering_dir, verifier_model.device)
         for i in range(self.verifiers):
@@ -130,12 +134,8 @@ class LocalCluster:
             self.verifier_servers.append(running)
             self.verifier_targets.append(running.target)
         if self.drafters:
-            from drafter_service.server import DrafterConfig, serve as serve_drafter
-            from steerspec.models.layouts import drafter_dtype
-
             dtype = drafter_dtype(self.drafter_dtype, self.dtype, self.device)
             if steering_dir is not None:  # the drafter's own loader attaches its W_s hooks
-                from drafter_service.cli import load_drafter
 
                 drafter_model, hooks = load_drafter(steering_dir, dtype, self.device, steering=steering_dir)
             else:
@@ -146,7 +146,6 @@ class LocalCluster:
                 self._servers.append(running)
                 self.drafter_servers.append(running)
                 self.drafter_targets.append(running.target)
-        from steerspec.models import context_length
 
         contexts = [context_length(verifier_model)] + ([context_length(drafter_model)] if self.drafters else [])
         kwargs: dict = {"max_length": min(contexts)}
@@ -166,8 +165,6 @@ class LocalCluster:
 
     def _threads(self, verifier_model) -> None:
         if self.num_threads is not None:
-            from steerspec.models.loading import apply_threads
-
             apply_threads(self.num_threads, verifier_model)
 
     async def stop(self) -> None:
@@ -178,8 +175,6 @@ class LocalCluster:
             except Exception:  # keep stopping the others
                 pass
         if self.trace_file:
-            from steerspec.tracing import flush_tracing
-
             flush_tracing()
 
     def set_link(self, link: LinkModel) -> None:
@@ -190,8 +185,6 @@ class LocalCluster:
 
     def client(self, **kwargs):
         """A `steerspec.Client` for this cluster's coordinator."""
-        from coordinator.client import Client
-
         return Client(self.target, **kwargs)
 
     async def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -200,8 +193,6 @@ class LocalCluster:
                        session_id: str = "", timeout: Optional[float] = None,
                        verification: str = "exact", tree: str = "") -> DistributedResult:
         """One generation driven by this process's coordinator (no client hop); returns its result."""
-        from coordinator.server import check_verification
-
         check_verification(verification, self.allow_lossy)
         request = SessionRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                  sampling=SamplingParams(temperature, top_k, top_p), seed=seed, k=k,
@@ -220,8 +211,6 @@ class LocalCluster:
 
     async def stats(self) -> Tuple[list, list]:
         """(verifier stats, drafter stats) of every replica, via GetVerifierStats / GetDrafterStats."""
-        from steerspec.v1 import drafter_pb2, verifier_pb2
-
         channels = self.coordinator.channels
         v = [(await channels.verifier(t).GetVerifierStats(verifier_pb2.GetVerifierStatsRequest(), timeout=5)).stats
              for t in self.verifier_targets]

@@ -43,16 +43,19 @@ from redis.exceptions import RedisError
 
 from coordinator.placement import Placer, registered_identity
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
-from steerspec.store import Endpoint, InProcessStore, Store
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
-from steerspec import rounds
-from steerspec.linkemu import NO_LINK, LinkModel
-from steerspec.models.identity import ModelIdentity, compatible, drafter_fix, mismatch_message, pair_differences
+from steerspec.decoding import rounds
+from steerspec.decoding.sampling import SamplingParams
+from steerspec.decoding.trees import cut_to_depth, parse_tree, prefix, q_parents
+from steerspec.observability.tracing import BLOCK_SPAN, traceparent
 from steerspec.policies.base import MAX_K
 from steerspec.policies.registry import PolicyError, max_block, parse_spec
-from steerspec import wire
-from steerspec.sampling import SamplingParams
+from steerspec.serving import wire
+from steerspec.serving.identity import ModelIdentity, compatible, drafter_fix, mismatch_message, pair_differences
+from steerspec.serving.linkemu import NO_LINK, LinkModel
+from steerspec.serving.store import Endpoint, InProcessStore, Store
 from steerspec.sprinter.labels import SprinterTally
+from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -86,8 +89,6 @@ def _truncate_block(block: common_pb2.DraftBlock, k: int, tree=None) -> None:
         return
     rows = k
     if tree is not None and block.HasField("q") and block.q.support:
-        from steerspec.trees import prefix, q_parents
-
         if len(block.q.ids) != len(block.draft_ids) * block.q.support:  # one row per parent
             rows = len(q_parents(prefix(tree, k)))
     del block.draft_ids[k:]
@@ -147,7 +148,7 @@ class SessionRequest:
     steering: bool = False
     session_id: str = ""
     verification: str = "exact"  # "block" (exact), or "sprinter[:...]" (lossy; admitted only with --allow-lossy)
-    tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/trees.py)
+    tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/decoding/trees.py)
 
     @property
     def lossy(self) -> bool:
@@ -155,8 +156,6 @@ class SessionRequest:
 
     def verification_spec(self):
         """The parsed verification (steerspec.sprinter.spec.Verification)."""
-        from steerspec.sprinter.spec import parse_verification
-
         return parse_verification(self.verification)
 
     def validate(self) -> "SessionRequest":
@@ -202,9 +201,7 @@ class SessionRequest:
         return self.k if spec == "fixed" else max_block(spec)
 
     def tree_shape(self):
-        """The parsed draft tree (steerspec.trees.TreeShape); ValueError on a bad spec."""
-        from steerspec.trees import parse_tree
-
+        """The parsed draft tree (steerspec.decoding.trees.TreeShape); ValueError on a bad spec."""
         return parse_tree(self.tree)
 
     def _validate_tree(self) -> None:
@@ -229,8 +226,6 @@ class SessionRequest:
 
     def _validate_verification(self) -> None:
         """A SPRINTER session: speculative, fixed policy, k = its max_run (the longest run one call verifies)."""
-        from steerspec.sprinter.spec import VerificationError
-
         try:
             verification = self.verification_spec()
         except VerificationError as exc:
@@ -279,7 +274,7 @@ class LoopConfig:
     eos_ids: Sequence[int] = ()
     max_length: Optional[int] = None  # context limit: prompt + generated never exceeds it (None: the replicas')
     max_resumes: int = 4  # replica failures one session survives
-    metrics: object = None  # steerspec.telemetry.SteerSpecMetrics or None
+    metrics: object = None  # steerspec.observability.prometheus.SteerSpecMetrics or None
     tracer: object = None  # an OpenTelemetry tracer or None
     model: Optional[ModelIdentity] = None  # the coordinator's tokenizer: verifiers refuse sessions it does not fit
     identities: Dict[str, ModelIdentity] = field(default_factory=dict)  # address -> what it serves (GetStats)
@@ -583,8 +578,6 @@ class SessionLoop:
                     block, cycle_start = await self._next_block()
                     span = self._take_block_span()
                     if span is not None:
-                        from steerspec.tracing import traceparent
-
                         block.traceparent = traceparent(span)  # the verifier's spans become its children
                     _truncate_block(block, self._block_room(), self.tree)  # a block commits at most k + 1 tokens
                     kept, finish = self._commit_kept(block)
@@ -661,7 +654,6 @@ class SessionLoop:
         room - 1 (a breadth-first prefix: the cut the in-process engine makes near the budget)."""
         if self.tree is None or not self.use_drafter:
             return self.room - 1
-        from steerspec.trees import cut_to_depth
 
         return cut_to_depth(self.tree, self.room - 1).size
 
@@ -669,7 +661,6 @@ class SessionLoop:
         """The block's drafts in commit order: a chain's own, a tree's along the accepted path."""
         if self.tree is None or not self.use_drafter:
             return list(block.draft_ids)
-        from steerspec.trees import prefix
 
         try:
             wire.check_path(prefix(self.tree, len(block.draft_ids)), list(result.path),
@@ -704,7 +695,6 @@ class SessionLoop:
         """Start the span of the block being asked for now; its traceparent for the drafter ("" untraced)."""
         if self.cfg.tracer is None:
             return ""
-        from steerspec.tracing import BLOCK_SPAN, traceparent
 
         self._block_span = self.cfg.tracer.start_span(BLOCK_SPAN)
         return traceparent(self._block_span)

@@ -18,10 +18,20 @@ from typing import Iterable, List, Optional, Tuple
 
 import grpc
 
-from steerspec import wire
 from steerspec.errors import UsageError
-from steerspec.models.identity import (ModelIdentity, describe, drafter_fix, mismatch_message, pair_differences,
-                                       steering_differences, tokenizer_differences)
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import load_tokenizer
+from steerspec.serving import wire
+from steerspec.serving.identity import (
+    ModelIdentity,
+    describe,
+    drafter_fix,
+    mismatch_message,
+    pair_differences,
+    steering_differences,
+    tokenizer_differences,
+    tokenizer_dir,
+)
 from steerspec.v1 import drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -47,9 +57,6 @@ def explicit(tokenizer: Optional[str]) -> bool:
 
 def local_model(name: str, max_length: Optional[int] = None) -> CoordinatorModel:
     """The tokenizer, identity and EOS of a bundled name or directory on this host (UsageError when absent)."""
-    from steerspec.models.identity import tokenizer_dir
-    from steerspec.models.loading import load_tokenizer, resolve_model_dir
-
     path = resolve_model_dir(name)
     source = tokenizer_dir(path)
     if source is None:

@@ -23,8 +23,8 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional
 
 from redis.exceptions import RedisError
 
-from steerspec.models.identity import ModelIdentity
-from steerspec.store import Endpoint, Store
+from steerspec.serving.identity import ModelIdentity
+from steerspec.serving.store import Endpoint, Store
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     with quota.hold(identity):             # SessionError RESOURCE_EXHAUSTED when that identity is at N
         ... run the session ...
 
-The identity is the call's (`steerspec.security.identity_of`: its token, else its client
+The identity is the call's (`steerspec.serving.security.identity_of`: its token, else its client
 certificate, else "" for every unauthenticated caller together). Counted in this process: each
 coordinator of a deployment enforces its own limit.
 """

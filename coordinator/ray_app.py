@@ -28,11 +28,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from coordinator.launch import import_ray, init_ray
-from steerspec.linkemu import add_link_arguments, link_from_args
+import torch
 
-EDGE = "edge"
-VERIFIER = "verifier"
+from coordinator import server as coordinator_server
+from coordinator.cli import coordinator_kwargs, coordinator_model, policy_defaults
+from coordinator.model_check import FOLLOW
+from coordinator.ray_setup import EDGE, VERIFIER, import_ray, init_ray
+from drafter_service import server as drafter_server
+from drafter_service.cli import load_drafter
+from steerspec.errors import UsageError
+from steerspec.observability.prometheus import SteerSpecMetrics, start_metrics_server
+from steerspec.observability.tracing import flush_tracing, get_tracer, instrument_grpc, setup_tracing
+from steerspec.serving import security
+from steerspec.serving.linkemu import LinkModel, add_link_arguments, link_from_args
+from steerspec.serving.registration import announce
+from steerspec.serving.store import open_store
+from steerspec.sprinter.classifier import load_head as load_sprinter_head
+from verifier_service import server as verifier_server
+from verifier_service.cli import load_head, load_verifier
+
 EDGE_SHARE = 0.5  # drafter and coordinator each take half an `edge` unit
 NAMESPACE = "steerspec"
 
@@ -48,7 +62,6 @@ def _setup_observability(service: str, trace_file: Optional[str]) -> bool:
     """Tracing in this actor process when asked for (file or OTLP env); True when enabled."""
     if not (trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
         return False
-    from steerspec.tracing import instrument_grpc, setup_tracing
 
     setup_tracing(service, trace_file=trace_file)
     instrument_grpc()
@@ -57,8 +70,6 @@ def _setup_observability(service: str, trace_file: Optional[str]) -> bool:
 
 def _threads(num_threads: int) -> None:
     if num_threads > 0:
-        import torch
-
         torch.set_num_threads(num_threads)
 
 
@@ -81,8 +92,6 @@ class _ServerActor:
         if running is not None:
             await running.stop(grace=grace)
         try:
-            from steerspec.tracing import flush_tracing
-
             flush_tracing()
         except Exception:  # tracing is optional here
             pass
@@ -107,8 +116,6 @@ class _ModelServerActor(_ServerActor):
     async def start(self) -> str:
         """Load, serve, and (with a Redis URL) register in the endpoint registry like `steerspec serve`."""
         if self.running is None:
-            from steerspec.registration import announce
-
             _threads(self.num_threads)
             _setup_observability(f"steerspec-{self.service}", self.trace_file)
             running, servicer = await self._serve(_bind_host(self.host))
@@ -141,13 +148,10 @@ class VerifierServer(_ModelServerActor):
         self.device_map, self.steering_head = device_map, steering_head
 
     async def _serve(self, host: str):
-        from verifier_service.cli import load_head, load_verifier
-        from verifier_service.server import VerifierConfig, serve
-
         model = load_verifier(self.model_name, self.dtype, self.device, self.device_map)
         head = load_head(self.steering_head, model.device) if self.steering_head else None
-        config = VerifierConfig(replica=f"ray-verifier-{os.getpid()}", model_name=str(self.model_name), **self.options)
-        return await serve(model, config, host=host, port=self.port, steering_head=head)
+        config = verifier_server.VerifierConfig(replica=f"ray-verifier-{os.getpid()}", model_name=str(self.model_name), **self.options)
+        return await verifier_server.serve(model, config, host=host, port=self.port, steering_head=head)
 
 
 class DrafterServer(_ModelServerActor):
@@ -165,12 +169,9 @@ class DrafterServer(_ModelServerActor):
         self.steering = steering
 
     async def _serve(self, host: str):
-        from drafter_service.cli import load_drafter
-        from drafter_service.server import DrafterConfig, serve
-
         model, hooks = load_drafter(self.model_name, self.dtype, self.device, self.steering)
-        config = DrafterConfig(model_name=str(self.model_name), **self.options)
-        return await serve(model, config, host=host, port=self.port, hooks=hooks)
+        config = drafter_server.DrafterConfig(model_name=str(self.model_name), **self.options)
+        return await drafter_server.serve(model, config, host=host, port=self.port, hooks=hooks)
 
 
 class CoordinatorServer(_ServerActor):
@@ -198,42 +199,30 @@ class CoordinatorServer(_ServerActor):
     async def start(self) -> str:
         if self.running is not None:
             return self.running.target
-        from coordinator.cli import coordinator_kwargs, coordinator_model
-        from coordinator.model_check import FOLLOW
-        from coordinator.server import Coordinator, serve
-        from steerspec.store import open_store
-        from steerspec.linkemu import LinkModel
-
         host = _bind_host(self.host)
         tracer = None
         if _setup_observability("steerspec-coordinator", self.trace_file):
-            from steerspec.tracing import get_tracer
-
             tracer = get_tracer("coordinator")
         metrics = None
         if self.metrics_port is not None:
-            from steerspec.telemetry import SteerSpecMetrics, start_metrics_server
-
             metrics = SteerSpecMetrics()
             self.metrics_server, port = start_metrics_server(self.metrics_port, metrics.registry, addr=host)
             self.metrics_address = f"{host}:{port}"
         model = await coordinator_model(self.verifiers, self.drafters, self.tokenizer_name or FOLLOW, None)
-        coordinator = Coordinator(store=await open_store(self.redis_url), verifiers=self.verifiers,
+        coordinator = coordinator_server.Coordinator(store=await open_store(self.redis_url), verifiers=self.verifiers,
                                   drafters=self.drafters, **coordinator_kwargs(model, None),
                                   link=LinkModel(**self.link_args).validate(),
                                   metrics=metrics, tracer=tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
                                   defaults={"policy": self.policy} if self.policy else None,
                                   allow_lossy=self.allow_lossy,
                                   max_sessions_per_identity=self.max_sessions_per_identity)
-        self.running = await serve(coordinator, host=host, port=self.port)
+        self.running = await coordinator_server.serve(coordinator, host=host, port=self.port)
         self.coordinator = coordinator
         return self.running.target
 
     def set_link(self, rtt_ms: float = 0.0, jitter_ms: float = 0.0, bandwidth_mbps: float = 0.0,
                  link_seed: int = 0) -> None:
         """Change the emulated link for the sessions started from now on."""
-        from steerspec.linkemu import LinkModel
-
         self.link_args = dict(rtt_ms=rtt_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, seed=link_seed)
         if self.coordinator is not None:
             self.coordinator.config.link = LinkModel(**self.link_args).validate()
@@ -282,7 +271,10 @@ def placement_options(kind: str, node_id: Optional[str] = None, num_gpus: float 
     if num_gpus:
         options["num_gpus"] = num_gpus
     if node_id is not None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        # lazy: Ray only for the Ray deployment
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,  # lazy: Ray only for the Ray deployment
+        )
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     if name:
@@ -290,7 +282,6 @@ def placement_options(kind: str, node_id: Optional[str] = None, num_gpus: float 
         options["namespace"] = NAMESPACE
     if detached:
         options["lifetime"] = "detached"
-    from steerspec import security
 
     env = security.actor_env()
     if env:  # TLS and tokens reach the actor's servers and channels (merged with the job's env_vars)
@@ -393,7 +384,7 @@ def deploy(
     one coordinator, next to the first drafter, that places sessions on all of them (as `LocalCluster`);
     `allow_lossy`: the coordinators serve lossy (sprinter) requests, whose drafter head is
     `drafter_options["sprinter_head"]` or the drafter's own `sprinter/`. Ray must be initialised
-    (`coordinator.launch.init_ray`). Returns once every server answers with its address.
+    (`coordinator.ray_setup.init_ray`). Returns once every server answers with its address.
     """
     ray = import_ray()
     name = (lambda base: base) if detached else (lambda base: None)
@@ -438,7 +429,7 @@ def deploy(
 
 def deploy_local(address: Optional[str] = None, **kwargs) -> Deployment:
     """`deploy` on the Ray at `address`, or on a one-node loopback Ray with both custom resources
-    (`coordinator.launch.init_ray`) when Ray is not initialised yet."""
+    (`coordinator.ray_setup.init_ray`) when Ray is not initialised yet."""
     init_ray(address, edge=1 + max(1, int(kwargs.get("drafters", 1))))
     return deploy(**kwargs)
 
@@ -474,21 +465,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-sessions-per-identity", type=int, default=0, metavar="N",
                         help="concurrent generations per caller identity (RESOURCE_EXHAUSTED beyond; 0 = no limit)")
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
-    from steerspec import security
 
     security.add_arguments(parser)  # handed to every actor as STEERSPEC_* variables
     args = parser.parse_args(argv)
-    from coordinator.cli import policy_defaults
-    from steerspec.errors import UsageError
 
     head = None
     try:
         policy_defaults(args.policy)
         if args.sprinter_head:  # checked here, and absolute: the drafter actors' working directory is not ours
-            from steerspec.sprinter.head import load_head
-
             head = str(Path(args.sprinter_head).resolve())
-            load_head(head)
+            load_sprinter_head(head)
         if args.max_sessions_per_identity < 0:
             raise UsageError(f"--max-sessions-per-identity must be >= 0 (0 = no limit), got "
                              f"{args.max_sessions_per_identity}")

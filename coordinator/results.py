@@ -6,8 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-from steerspec.metrics import GenerationResult
-from steerspec.rounds import BlockStats  # noqa: F401  (re-exported: the one per-block stats type)
+from steerspec.decoding.generation_result import GenerationResult
+from steerspec.decoding.rounds import BlockStats  # noqa: F401  (re-exported: the one per-block stats type)
 from steerspec.sprinter.labels import SprinterTally, theory_line
 from steerspec.v1 import coordinator_pb2
 

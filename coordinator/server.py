@@ -24,18 +24,20 @@ from coordinator import counters
 from coordinator.admission import Admission
 from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.model_check import CoordinatorModel, follow, stats_identity
-from coordinator.results import Chunk, DistributedResult
-from coordinator.streams import Channels, SessionError
 from coordinator.placement import Placer, registered_identity
 from coordinator.quotas import SessionQuota
-from steerspec import security
+from coordinator.results import Chunk, DistributedResult
+from coordinator.streams import Channels, SessionError
+from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
-from steerspec.linkemu import NO_LINK, LinkModel
-from steerspec.models.identity import ModelIdentity, tokenizer_fingerprint
-from steerspec.ownership import ClaimError, Ownership
-from steerspec.sampling import SamplingParams
-from steerspec.store import InProcessStore, Store, keep_registered
-from steerspec.telemetry import service_metrics
+from steerspec.observability import service_metrics
+from steerspec.serving import security
+from steerspec.serving.grpc_common import start_server
+from steerspec.serving.identity import ModelIdentity, tokenizer_fingerprint
+from steerspec.serving.linkemu import NO_LINK, LinkModel
+from steerspec.serving.ownership import ClaimError, Ownership
+from steerspec.serving.store import InProcessStore, Store, keep_registered
+from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -257,8 +259,6 @@ class Coordinator:
 def check_verification(spec: str, allow_lossy: bool) -> None:
     """GenerateRequest.verification: exact passes; a bad spec is INVALID_ARGUMENT; a lossy mode is
     FAILED_PRECONDITION unless this coordinator allows lossy output."""
-    from steerspec.sprinter.spec import VerificationError, parse_verification
-
     try:
         verification = parse_verification(spec)
     except VerificationError as exc:
@@ -332,8 +332,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
 async def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0):
     """Start the coordinator's gRPC server (health + reflection); returns the RunningServer."""
-    from steerspec.grpc_common import start_server
-
     await coordinator.start()
     running = await start_server(
         [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, CoordinatorService(coordinator))],

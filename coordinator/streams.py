@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 import grpc
 
-from steerspec import security
+from steerspec.serving import security
 from steerspec.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),

@@ -6,9 +6,19 @@ import argparse
 import asyncio
 import os
 
-from steerspec import logs, registration, security
+import torch
+
+from drafter_service.server import DrafterConfig, serve
 from steerspec.errors import UsageError
-from steerspec.telemetry import service_metrics
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.layouts import drafter_dtype
+from steerspec.models.loading import load_model
+from steerspec.observability import service_metrics
+from steerspec.observability.tracing import instrument_grpc, setup_tracing
+from steerspec.policies import PolicyError, parse_spec
+from steerspec.serving import logs, registration, security
+from steerspec.serving.grpc_common import check_port, serve_until_signal
+from steerspec.steering import attach_steering, has_steering, load_steering
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
     """(model, steering hooks or None); dtype "auto": `layouts.drafter_dtype("auto", "float32", device)`."""
-    from steerspec.models.layouts import drafter_dtype
-    from steerspec.models.loading import load_model, resolve_model_dir
-    from steerspec.steering import attach_steering, has_steering, load_steering
-
     loaded = load_model(model, dtype=drafter_dtype(dtype, "float32", device) if dtype == "auto" else dtype, device=device)
     source = None
     if steering == "auto":
@@ -64,17 +70,10 @@ def load_drafter(model: str, dtype: str, device: str, steering: str = "auto"):
 
 
 async def _main(args) -> int:
-    from drafter_service.server import DrafterConfig, serve
-    from steerspec.grpc_common import serve_until_signal
-
     if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from steerspec.tracing import instrument_grpc, setup_tracing
-
         setup_tracing("steerspec-drafter", trace_file=args.trace_file)
         instrument_grpc()
     if args.policy:
-        from steerspec.policies import PolicyError, parse_spec
-
         try:
             parse_spec(args.policy)
         except PolicyError as exc:
@@ -98,8 +97,6 @@ async def _main(args) -> int:
 
 
 def run(args) -> int:
-    from steerspec.grpc_common import check_port
-
     check_port(args.port)
     if args.metrics_port is not None:
         check_port(args.metrics_port, "--metrics-port")
@@ -111,7 +108,5 @@ def run(args) -> int:
         raise UsageError(f"--draft-batch-window-ms must be >= 0, got {args.draft_batch_window_ms}")
     registration.check_args(args)
     if args.threads > 0:
-        import torch
-
         torch.set_num_threads(args.threads)
     return asyncio.run(_main(args))

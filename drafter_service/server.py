@@ -1,13 +1,13 @@
 """The drafter gRPC service: one bidirectional Draft stream per session.
 
-Stream protocol (proto/steerspec/v1/drafter.proto; decoding protocol: steerspec/engine.py):
+Stream protocol (proto/steerspec/v1/drafter.proto; decoding protocol: steerspec/decoding/engine.py):
   DraftOpen -> DraftBlock seq 1 (drafted after the prompt, steered by DraftOpen.steering)
   DraftFeedback(result, want_block) -> roll back to the committed length, take the result's
       steering vector, draft the next block (seq + 1); want_block=false only rolls back
   DraftClose / stream end / cancel / deadline -> the session's cache is freed at once.
 A bad feedback gets an in-stream StreamError and changes nothing; an invalid open (or a first
 message that is not an open) aborts the stream with a status code.
-Blocks of sessions that ask at about the same time are drafted together (drafter_service/batcher.py,
+Blocks of sessions that ask at about the same time are drafted together (drafter_service/draft_batcher.py,
 --draft-batch-window-ms); `batcher.batches` / `batcher.batched_blocks` count them.
 """
 
@@ -21,21 +21,34 @@ from typing import Dict, Optional
 import grpc
 import torch
 
-from steerspec import rounds
-from steerspec import wire
-from steerspec.compute import inline_compute
-from steerspec.models.identity import (ModelIdentity, describe_model, drafter_fix, mismatch_message,
-                                       pair_differences)
+from drafter_service.draft_batcher import DraftBatcher
+from drafter_service.draft_sessions import (
+    Drafter,
+    DrafterSession,
+    DrafterSessionTable,
+    Proposal,
+    SprinterRun,
+    load_policy_state,
+    policy_state,
+    resolve_policy,
+)
+from steerspec.decoding import rounds
+from steerspec.decoding.sampling import MAX_DRAFT_TOP_K
+from steerspec.decoding.trees import prefix
+from steerspec.errors import UsageError
 from steerspec.models.kv import FastCachedLM, prepare_weight_copies
+from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K, BlockFeedback
-from steerspec.sampling import MAX_DRAFT_TOP_K
+from steerspec.serving import wire
+from steerspec.serving.compute import inline_compute
+from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
+from steerspec.serving.identity import ModelIdentity, describe_model, drafter_fix, mismatch_message, pair_differences
+from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
+from steerspec.serving.wire import ProtocolError, code_number
+from steerspec.sprinter.classifier import resolve_head
+from steerspec.sprinter.decoding import SprinterScorer
+from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from steerspec.session_stream import SessionStreamServicer, StreamSpec
-from steerspec.trees import prefix
-from steerspec.wire import ProtocolError, code_number
-from drafter_service.batcher import DraftBatcher
-from drafter_service.sessions import (Drafter, DrafterSession, DrafterSessionTable, Proposal, SprinterRun,
-                                     load_policy_state, policy_state, resolve_policy)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "steerspec.v1.DrafterService"
@@ -55,8 +68,6 @@ class DrafterConfig:
 
 def _verification(spec: str):
     """DraftOpen.verification parsed; INVALID_ARGUMENT for a bad spec."""
-    from steerspec.sprinter.spec import VerificationError, parse_verification
-
     try:
         return parse_verification(spec)
     except VerificationError as exc:
@@ -86,12 +97,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
-        try:
-            from steerspec import tracing
-
-            self._tracing, self._tracer = tracing, tracing.get_tracer(__name__)
-        except ImportError:  # pragma: no cover
-            pass
+        self._tracing, self._tracer = tracing, tracing.get_tracer(__name__)
 
     async def close(self) -> None:
         for session in list(self.table.sessions.values()):
@@ -183,8 +189,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
                                   tree=tree)
         if loaded is not None:
-            from steerspec.sprinter.decoding import SprinterScorer
-
             threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
             session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold, loaded.lam)
         return session
@@ -203,9 +207,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     def _sprinter_head(self):
         """The SPRINTER head of this drafter (loaded once); FAILED_PRECONDITION naming the drafter without one."""
         if self._head is None:
-            from steerspec.errors import UsageError
-            from steerspec.sprinter.head import resolve_head
-
             drafter_dir = getattr(self.model, "name_or_path", "") or self.config.model_name
             try:
                 self._head = resolve_head(drafter_dir, self.config.sprinter_head, device=self.model.device)
@@ -297,9 +298,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
 async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int = 0, hooks=None,
                 max_message_bytes: Optional[int] = None):
     """Start a drafter server; returns (RunningServer, servicer)."""
-    from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
-
-    prepare_weight_copies(model)  # before serving, on the loop's thread (steerspec/compute.py)
+    prepare_weight_copies(model)  # before serving, on the loop's thread (steerspec/serving/compute.py)
     servicer = DrafterServicer(model, config, hooks)
     running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
                                  [SERVICE_NAME], host=host, port=port,

@@ -47,15 +47,15 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from coordinator.cli import load_tokenizer_and_eos
-    from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
+    from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.models import load_model
-    from steerspec.models.kv import as_cached
+    from steerspec.models.backends import as_cached
     from steerspec.models.layouts import native_bf16
-    from steerspec.models.loading import resolve_model_dir
+    from steerspec.models.checkpoints import resolve_model_dir
     from steerspec.policies.fixed import FixedK
-    from steerspec.sampling import SamplingParams
+    from steerspec.decoding.sampling import SamplingParams
     from steerspec.steering.runtime import maybe_steering
-    from steerspec.tree_decoding import tree_generate
+    from steerspec.decoding.tree_decoding import tree_generate
 
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
     tokenizer, eos = load_tokenizer_and_eos(str(vdir))
@@ -140,7 +140,7 @@ async def _through_services(args, verifier_model, drafter_dir, tokenizer_dir, eo
     from contextlib import AsyncExitStack
 
     from coordinator.local import LocalCluster
-    from steerspec.linkemu import LinkModel
+    from steerspec.serving.linkemu import LinkModel
 
     link = LinkModel(rtt_ms=args.rtt_ms).validate()
     tree = "" if args.draft.isdigit() else args.draft

@@ -47,18 +47,18 @@ def main(argv=None) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    import steerspec.tree_decoding as tree_decoding
-    import steerspec.verifying as verifying
+    import steerspec.decoding.tree_decoding as tree_decoding
+    import steerspec.decoding.verifying as verifying
     from real_pair import load_pair, parse_lists
-    from steerspec.block_verify import expected_accepted
+    from steerspec.decoding.block_verify import expected_accepted
     from steerspec.data.evalsets import load_eval_set
-    from steerspec.engine import DecodeConfig, speculative_generate
+    from steerspec.decoding.engine import DecodeConfig, speculative_generate
     from steerspec.policies import FixedK
-    from steerspec.sampling import SamplingParams
-    from steerspec.speculative import rejection_sample
-    from steerspec.traversal import expected_path_lengths
-    from steerspec.tree_decoding import tree_generate
-    from steerspec.trees import sampled_walk
+    from steerspec.decoding.sampling import SamplingParams
+    from steerspec.decoding.speculative import rejection_sample
+    from steerspec.decoding.traversal import expected_path_lengths
+    from steerspec.decoding.tree_decoding import tree_generate
+    from steerspec.decoding.trees import sampled_walk
 
     lists = parse_lists(args, "bench_block_verify")
     if lists is None:

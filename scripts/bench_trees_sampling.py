@@ -6,7 +6,7 @@
 Trees draw a node's siblings without replacement (recursive rejection sampling); `--iid` adds each
 tree with i.i.d. siblings (SpecInfer) for comparison. `steerspec bench engine --trees` measures trees greedily (every row must give the verifier's tokens);
 sampled outputs differ between methods by design, so this script reports speed and tau only: the
-exactness of sampling on trees is tests/test_trees.py's chi-square test. Each prompt and seed runs
+exactness of sampling on trees is tests/decoding/test_trees.py's chi-square test. Each prompt and seed runs
 every method in turn (round robin), an SD² drafter steered in every row; tok/s = tokens / wall seconds
 summed over prompts and seeds; speedup against the verifier alone sampling in the same run.
 """
@@ -40,10 +40,10 @@ def main(argv=None) -> int:
 
     from real_pair import load_pair, parse_lists
     from steerspec.data.evalsets import load_eval_set
-    from steerspec.engine import DecodeConfig, autoregressive_generate, speculative_generate
+    from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
     from steerspec.policies import FixedK
-    from steerspec.sampling import SamplingParams
-    from steerspec.tree_decoding import tree_generate
+    from steerspec.decoding.sampling import SamplingParams
+    from steerspec.decoding.tree_decoding import tree_generate
 
     if args.temperature <= 0:
         print("bench_trees_sampling.py: --temperature must be > 0 (greedy trees: steerspec bench engine --trees)",

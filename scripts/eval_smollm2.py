@@ -23,7 +23,7 @@ import torch
 
 
 def speculative_figures(verifier, drafter, prompts, config, k, steering=None):
-    from steerspec.engine import autoregressive_generate, speculative_generate
+    from steerspec.decoding.engine import autoregressive_generate, speculative_generate
     from steerspec.policies import FixedK
 
     tokens = rounds = drafted = accepted = 0
@@ -43,7 +43,7 @@ def speculative_figures(verifier, drafter, prompts, config, k, steering=None):
 
 
 def autoregressive_figures(verifier, prompts, config):
-    from steerspec.engine import autoregressive_generate
+    from steerspec.decoding.engine import autoregressive_generate
 
     tokens, wall = 0, 0.0
     for ids in prompts:
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from steerspec.data.evalsets import load_eval_set
-    from steerspec.engine import DecodeConfig
+    from steerspec.decoding.engine import DecodeConfig
     from steerspec.models import cached_lm, eos_token_ids, load_model, load_tokenizer
 
     verifier_model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")

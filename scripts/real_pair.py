@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple
 def parse_lists(args, prog: str) -> Optional[Tuple[List[int], List[int], List[str]]]:
     """(seeds, ks, tree specs normalised) from comma-separated --seeds and --ks ('' for none) and ';'-separated
     --trees; None after printing one line to stderr when one is malformed (the caller exits 2)."""
-    from steerspec.trees import parse_tree
+    from steerspec.decoding.trees import parse_tree
 
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -29,7 +29,7 @@ def parse_lists(args, prog: str) -> Optional[Tuple[List[int], List[int], List[st
 class Pair:
     """A verifier and drafter ready for the in-process engines."""
 
-    verifier: Any  # cached (steerspec.models.kv.cached_lm)
+    verifier: Any  # cached (steerspec.models.backends.cached_lm)
     drafter: Any
     tokenizer: Any
     eos: Tuple[int, ...]
@@ -45,8 +45,9 @@ class Pair:
 def load_pair(verifier_name: str, drafter_name: str, threads: int) -> Pair:
     """Load both models (the verifier's thread count applied), wrap them in KV caches, read the EOS ids and the
     drafter's steering weights."""
-    from steerspec.models.kv import cached_lm
-    from steerspec.models.loading import apply_threads, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+    from steerspec.models.backends import cached_lm
+    from steerspec.models.loading import apply_threads, eos_token_ids, load_model, load_tokenizer
+    from steerspec.models.checkpoints import resolve_model_dir
     from steerspec.steering.runtime import maybe_steering_weights
 
     verifier, drafter = load_model(verifier_name), load_model(drafter_name)

@@ -12,13 +12,13 @@ _SDK = ("Client", "Chunk", "Summary")
 _ERRORS = ("SteerSpecError", "InvalidArgument", "OutOfRange", "FailedPrecondition", "Unauthenticated",
            "PermissionDenied", "ResourceExhausted", "Unavailable", "Aborted", "DeadlineExceeded", "Cancelled",
            "InternalError", "ResumeMismatch", "MissingSummary", "from_rpc_error")
-_EXPORTS = {**{name: "coordinator.client" for name in _SDK}, **{name: "coordinator.errors" for name in _ERRORS}}
+_EXPORTS = {**{name: "coordinator.client" for name in _SDK}, **{name: "coordinator.exceptions" for name in _ERRORS}}
 
 __all__ = [*_SDK, *_ERRORS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy exports: the SDK (`Client`, `Chunk`, `Summary`) and its errors (`coordinator.errors`)."""
+    """Lazy exports: the SDK (`Client`, `Chunk`, `Summary`) and its errors (`coordinator.exceptions`)."""
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'steerspec' has no attribute {name!r}")

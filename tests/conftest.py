@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from steerspec import grpc_env
+from steerspec.serving import grpc_env
 
 grpc_env.apply()  # the same gRPC transport as the CLI; before any test module imports grpc
 
@@ -158,7 +158,7 @@ GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32
 def pair_greedy(loaded_pair, eval_prompts):
     """(prompt ids, config, references): the first 16 eval prompts and the verifier alone's greedy
     32 tokens after each (EOS included); a smaller budget's greedy output is a prefix of these."""
-    from steerspec.engine import DecodeConfig, autoregressive_generate
+    from steerspec.decoding.engine import DecodeConfig, autoregressive_generate
     from steerspec.models import cached_lm, context_length, eos_token_ids
 
     verifier, drafter, tok = loaded_pair
@@ -174,10 +174,10 @@ def ray_cluster():
     """One two-node Ray on loopback for the whole test session, started by the first test that asks for it.
 
     Head node {"edge": 2, CPU 1} (drafters and coordinators), second node {"verifier": 1, CPU 1}; the
-    driver connects through `coordinator.launch.init_ray`, so the project's deployments find Ray
+    driver connects through `coordinator.ray_setup.init_ray`, so the project's deployments find Ray
     already up and share it instead of each starting (and paying for) their own.
     """
-    from coordinator.launch import import_ray, init_ray
+    from coordinator.ray_setup import import_ray, init_ray
 
     ray = import_ray()
     from ray.cluster_utils import Cluster
@@ -195,3 +195,15 @@ def ray_cluster():
 
 
 pytest_plugins = ["conftest_redis"]
+
+# The markers a test's fixtures imply (pyproject.toml declares them; `make test-fast` leaves them out).
+FIXTURE_MARKERS = {"redis_url": "redis", "redis_proc": "redis", "ray_cluster": "ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test by what its fixtures start: a real redis-server, a Ray cluster."""
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            marker = FIXTURE_MARKERS.get(fixture)
+            if marker is not None and marker not in item.keywords:
+                item.add_marker(getattr(pytest.mark, marker))

@@ -11,9 +11,9 @@ from collections import Counter
 import torch
 from scipy.stats import chisquare
 
-from steerspec.engine import draft_block, verify_block
+from steerspec.decoding.engine import draft_block, verify_block
 from steerspec.models import cached_lm
-from steerspec.sampling import SamplingParams, probs_from_logits
+from steerspec.decoding.sampling import SamplingParams, probs_from_logits
 
 P_MIN = 1e-3
 MIN_EXPECTED = 5.0
@@ -101,7 +101,7 @@ class _Stream:
     def __init__(self, index: int, drafter, ids, runner, params: SamplingParams, g_verify, policy,
                  prefilled=None) -> None:
         from steerspec.models.kv import CachedLM
-        from verifier_service.sessions import VerifierSession
+        from verifier_service.verify_sessions import VerifierSession
 
         self.d = cached_lm(drafter)
         self.session = VerifierSession(session_id=f"row-{index}", lm=CachedLM(runner.model), committed=len(ids),
@@ -132,9 +132,10 @@ def sample_batched(verifier, drafter, ids, config, n: int, rows: int, g_draft, g
     Block length: `k`, or the row's own policy (`policies[row]`, never reset between samples;
     `feedback(accepted, drafted)` is what it is told after each block). Drafted lengths go to
     `lengths`."""
-    from steerspec.drafting import DraftRow, draft_blocks
-    from steerspec.wire import WireBlock
-    from verifier_service.batcher import VerifyJob, VerifyRunner
+    from steerspec.decoding.drafting import DraftRow, draft_blocks
+    from steerspec.serving.wire import WireBlock
+    from verifier_service.verify_jobs import VerifyJob
+    from verifier_service.verify_batcher import VerifyRunner
 
     runner = VerifyRunner(verifier)
     rows = min(rows, n)

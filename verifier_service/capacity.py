@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 CUDA_SHARE = 0.8  # of the memory free on the GPU once the weights are loaded
 CPU_SHARE = 0.25  # of the memory available to this process on a CPU host
 
@@ -29,8 +31,6 @@ def _cpu_available_bytes() -> int:
 def default_cache_mb(device) -> float:
     """MB of KV cache a replica on `device` may hold: CUDA_SHARE of the GPU's free memory, else
     CPU_SHARE of the host's available memory (at least 64 MB)."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info(device)

@@ -7,9 +7,18 @@ import asyncio
 import os
 import socket
 
-from steerspec import logs, registration, security
+import torch
+
 from steerspec.errors import UsageError
-from steerspec.telemetry import service_metrics
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import check_swiglu, load_model, resolve_dtype
+from steerspec.observability import service_metrics
+from steerspec.observability.tracing import instrument_grpc, setup_tracing
+from steerspec.serving import logs, registration, security
+from steerspec.serving.grpc_common import check_port, serve_until_signal
+from steerspec.steering import load_steering_head
+from verifier_service.capacity import default_cache_mb
+from verifier_service.server import VerifierConfig, serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,14 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_verifier(model: str, dtype: str, device: str, device_map=None):
     """Load the verifier; with a device map, from_pretrained places (shards) the layers itself."""
-    from steerspec.models.loading import _check_swiglu, load_model, resolve_dtype, resolve_model_dir
-
     if not device_map:
         return load_model(model, dtype=dtype, device=device)
+    # lazy: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_dir(model)
-    _check_swiglu(path)
+    check_swiglu(path)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=resolve_dtype(dtype),
                                                       device_map=device_map)
@@ -67,8 +75,6 @@ def load_verifier(model: str, dtype: str, device: str, device_map=None):
 
 
 def load_head(directory: str, device):
-    from steerspec.steering import load_steering_head
-
     try:
         return load_steering_head(directory, device=device)
     except (FileNotFoundError, ValueError, KeyError) as exc:
@@ -76,20 +82,13 @@ def load_head(directory: str, device):
 
 
 async def _main(args) -> int:
-    from steerspec.grpc_common import serve_until_signal
-    from verifier_service.server import VerifierConfig, serve
-
     if args.trace_file or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from steerspec.tracing import instrument_grpc, setup_tracing
-
         setup_tracing("steerspec-verifier", trace_file=args.trace_file)
         instrument_grpc()
     await registration.check_reachable(args.redis_url)  # before the model loads
     model = load_verifier(args.model, args.dtype, args.device, args.device_map)
     head = load_head(args.steering_head, model.device) if args.steering_head else None
     if args.max_cache_mb is None:
-        from verifier_service.capacity import default_cache_mb
-
         args.max_cache_mb = default_cache_mb(next(model.parameters()).device)
     config = VerifierConfig(max_sessions=args.max_sessions, max_cache_mb=args.max_cache_mb,
                             batch_window_ms=args.batch_window_ms, idle_timeout_s=args.idle_timeout_s,
@@ -109,8 +108,6 @@ async def _main(args) -> int:
 
 
 def run(args) -> int:
-    from steerspec.grpc_common import check_port
-
     check_port(args.port)
     if args.metrics_port is not None:
         check_port(args.metrics_port, "--metrics-port")
@@ -124,7 +121,5 @@ def run(args) -> int:
         raise UsageError("--prefill-chunk must be >= 0 (0 = the whole prompt in one pass)")
     registration.check_args(args)
     if args.threads > 0:
-        import torch
-
         torch.set_num_threads(args.threads)
     return asyncio.run(_main(args))

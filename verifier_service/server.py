@@ -1,6 +1,6 @@
 """The verifier gRPC service: one bidirectional Verify stream per session, blocks batched.
 
-Stream protocol (proto/steerspec/v1/verifier.proto; decoding protocol: steerspec/engine.py):
+Stream protocol (proto/steerspec/v1/verifier.proto; decoding protocol: steerspec/decoding/engine.py):
   VerifyOpen -> VerifyReady (prefill of prompt[:-1]; steering for block 1 when asked)
   DraftBlock -> VerifyResult, or StreamError (the session is left unchanged; fix and resend)
   VerifyClose / stream end / cancel / deadline -> the session's cache is freed at once.
@@ -20,19 +20,23 @@ from typing import List, Optional, Tuple
 import grpc
 import torch
 
-from steerspec import rounds
-from steerspec import wire
-from steerspec.compute import inline_compute
-from steerspec.models.identity import ModelIdentity, describe_model, mismatch_message, tokenizer_differences
+from steerspec.decoding import rounds
 from steerspec.models.kv import prepare_weight_copies
 from steerspec.models.loading import context_length
+from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K
+from steerspec.serving import wire
+from steerspec.serving.compute import inline_compute
+from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
+from steerspec.serving.identity import ModelIdentity, describe_model, mismatch_message, tokenizer_differences
+from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
+from steerspec.serving.wire import ProtocolError, code_number
+from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from steerspec.session_stream import SessionStreamServicer, StreamSpec
-from steerspec.wire import ProtocolError, code_number
 from verifier_service import tree_verify
-from verifier_service.batcher import Batcher, VerifyJob, VerifyRunner
-from verifier_service.sessions import SessionTable, VerifierSession
+from verifier_service.verify_batcher import Batcher, VerifyRunner
+from verifier_service.verify_jobs import VerifyJob
+from verifier_service.verify_sessions import SessionTable, VerifierSession
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "steerspec.v1.VerifierService"
@@ -49,7 +53,7 @@ class VerifierConfig:
     max_batch: int = 64
     replica: str = ""
     model_name: str = ""
-    kv_backend: str = "auto"  # sessions' KV caches: auto | fast | hf (verifier_service/fast_verify.session_lm)
+    kv_backend: str = "auto"  # sessions' KV caches: auto | fast | hf (verifier_service/verify_sessions.session_lm)
     prefill_chunk: int = 512  # an inline (CPU) replica feeds longer prompts in passes of this many tokens; 0 = one
     identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its head)
 
@@ -78,17 +82,11 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         self.batcher = Batcher(self.runner, config.batch_window_ms / 1e3, lambda: self.table.ready_count,
                                max_batch=config.max_batch, inline=inline_compute(model))
         self.device = model.device
-        self._tracer = None
-        try:
-            from steerspec import tracing
-
-            self._tracing = tracing
-            self._tracer = tracing.get_tracer(__name__)
-        except ImportError:  # pragma: no cover - tracing is optional
-            self._tracing = None
+        self._tracing = tracing
+        self._tracer = tracing.get_tracer(__name__)
 
     async def start(self) -> None:
-        prepare_weight_copies(self.model)  # before serving, on the loop's thread (steerspec/compute.py)
+        prepare_weight_copies(self.model)  # before serving, on the loop's thread (steerspec/serving/compute.py)
         self.batcher.start()
 
     async def close(self) -> None:
@@ -176,7 +174,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
 
     async def _prefill(self, session: VerifierSession, prompt_ids: List[int]) -> Optional[torch.Tensor]:
         """Feed the prompt; returns block 1's steering (or None). Passes run on the loop's thread on a CPU
-        (steerspec/compute.py), so a long prompt goes in `prefill_chunk`-token passes with the loop running
+        (steerspec/serving/compute.py), so a long prompt goes in `prefill_chunk`-token passes with the loop running
         between them: heartbeats and other sessions' blocks wait for one chunk (512 tokens: about 0.9 s
         for SmolLM2 on 2 cores), not for the whole prompt (2,048 tokens: 5 s in one pass)."""
         done, chunk = 0, int(self.config.prefill_chunk)
@@ -260,8 +258,6 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
 
 def _verification(spec: str):
     """VerifyOpen.verification parsed (exact, block or SPRINTER); INVALID_ARGUMENT for a bad spec."""
-    from steerspec.sprinter.spec import VerificationError, parse_verification
-
     try:
         return parse_verification(spec)
     except VerificationError as exc:
@@ -271,8 +267,6 @@ def _verification(spec: str):
 async def serve(model, config: VerifierConfig, host: str = "127.0.0.1", port: int = 0, steering_head=None,
                 max_message_bytes: Optional[int] = None):
     """Start a verifier server; returns (RunningServer, servicer). Stop with `running.stop(grace)`."""
-    from steerspec.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
-
     servicer = VerifierServicer(model, config, steering_head)
     await servicer.start()
     running = await start_server([(verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)],

@@ -12,30 +12,29 @@ from typing import List
 
 import torch
 
-from steerspec.rounds import DecodeConfig
-from steerspec.speculative import DraftBlock
+from steerspec.decoding.rounds import DecodeConfig
+from steerspec.decoding.speculative import DraftBlock
 from steerspec.sprinter.decoding import verify_run
 from steerspec.sprinter.labels import label_run
 from verifier_service import fast_verify
+from verifier_service.verify_jobs import JobResult
 
 
 @torch.inference_mode()
 def run(runner, job):
     """One SPRINTER job -> JobResult (batch size 1)."""
-    from verifier_service.batcher import JobResult
-
     start = time.perf_counter()
     session, block = job.session, job.block
     k = block.k
     q = None if block.q is None or session.greedy else block.q.map(lambda t: t.unsqueeze(0))
     draft = DraftBlock(tokens=torch.from_numpy(block.draft_ids).view(1, k).long(), lengths=torch.tensor([k]), q=q)
-    layers = fast_verify._layers(runner) if (session.steering and runner.head is not None) else None
+    layers = fast_verify.head_layers(runner) if (session.steering and runner.head is not None) else None
     accepted, next_token, probs, logits, hidden = verify_run(session.lm, session.pending, draft,
                                                              DecodeConfig(sampling=session.params), session.generator,
                                                              layers, kept=block.kept)
     flags = [i < block.head_kept for i in range(k)]  # what the drafter's classifier kept
     labels = label_run(draft, flags, probs, logits, session.lm.vocab_size, block.lam)
-    steering = None if hidden is None else fast_verify._head(runner, hidden.unsqueeze(0))[0]
+    steering = None if hidden is None else fast_verify.steering_vectors(runner, hidden.unsqueeze(0))[0]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return JobResult(accepted=accepted, next_token=next_token, is_bonus=accepted == k, steering=steering,

@@ -10,25 +10,25 @@ the same batch keep theirs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import grpc
 import torch
 
-from steerspec.models.kv import FastCachedLM
-from steerspec.rounds import DecodeConfig
-from steerspec.sampling import SparseDist
+from steerspec.decoding.rounds import DecodeConfig
+from steerspec.decoding.sampling import SparseDist
+from steerspec.decoding.tree_decoding import finish_tree, tree_feed
+from steerspec.decoding.trees import TreeShape, node_q_rows, prefix, q_parents
 from steerspec.models.batched import packed_extend
-from steerspec.tree_decoding import finish_tree, tree_feed
-from steerspec.trees import TreeShape, node_q_rows, prefix, q_parents
-from steerspec.wire import ProtocolError, WireBlock, invalid
+from steerspec.models.kv import FastCachedLM
+from steerspec.serving.wire import ProtocolError, WireBlock, invalid
 from verifier_service import fast_verify
+from verifier_service.verify_jobs import JobResult, TreeBlock
 
 
 def check_session(lm) -> None:
     """FAILED_PRECONDITION unless the session's cache can hold a tree: a FastCachedLM (what
-    `fast_verify.session_lm` gives a tree session unless --kv-backend hf or the architecture rules it out)."""
+    `verify_sessions.session_lm` gives a tree session unless --kv-backend hf or the architecture rules it out)."""
     if not isinstance(lm, FastCachedLM):
         raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                             "draft trees need the lean KV cache, which this replica's model or --kv-backend hf "
@@ -64,15 +64,6 @@ def block_shape(tree: TreeShape, k: int, seq: int) -> TreeShape:
     return prefix(tree, k)
 
 
-@dataclass(frozen=True)
-class TreeBlock:
-    """A tree session's block as checked once on arrival: the nodes it carries and the distribution each
-    parent's children were drawn from (None when greedy), so the batch reuses them instead of redoing both."""
-
-    shape: TreeShape
-    q_at: Optional[Dict[int, SparseDist]]
-
-
 def check_block(shape: TreeShape, block: WireBlock, greedy: bool) -> TreeBlock:
     """The `TreeBlock` of a block carrying `shape` (`block_shape`); INVALID_ARGUMENT when siblings' q rows differ."""
     return TreeBlock(shape, None if (block.q is None or greedy) else parents_q(shape, block.q))
@@ -82,8 +73,6 @@ def check_block(shape: TreeShape, block: WireBlock, greedy: bool) -> TreeBlock:
 def run(runner, jobs) -> List:
     """Tree jobs -> JobResults with their accepted paths: every tree scored in ONE packed pass
     (`packed_extend` with each row's positions and ancestor mask), then each session's own walk."""
-    from verifier_service.batcher import JobResult
-
     start = time.perf_counter()
     sessions = [job.session for job in jobs]
     trees = [job.tree for job in jobs]  # checked on arrival (`check_block`, the server's `_check_block`)
@@ -93,7 +82,7 @@ def run(runner, jobs) -> List:
            for s, job, shape, at in zip(sessions, jobs, shapes, starts)]
     want_hidden = runner.head is not None and any(s.steering for s in sessions)
     outs = packed_extend([s.lm for s in sessions], [f[0] for f in fed],
-                         fast_verify._layers(runner) if want_hidden else None, [(f[1], f[2]) for f in fed])
+                         fast_verify.head_layers(runner) if want_hidden else None, [(f[1], f[2]) for f in fed])
     walked = []
     for session, job, tree, at, out in zip(sessions, jobs, trees, starts, outs):
         walked.append(finish_tree(session.lm, at, tree.shape, job.block.draft_ids.tolist(), out,
@@ -101,7 +90,7 @@ def run(runner, jobs) -> List:
                                   session.generator))
     steering = [None] * len(jobs)
     if want_hidden:
-        g = fast_verify._head(runner, torch.stack([hidden for _, _, hidden in walked]))
+        g = fast_verify.steering_vectors(runner, torch.stack([hidden for _, _, hidden in walked]))
         steering = [g[i] if s.steering else None for i, s in enumerate(sessions)]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -4,7 +4,7 @@ A grpc.aio bidirectional stream echoes one message of `--payload-bytes` each way
 sat idle for `--idle-ms` (as the coordinator does during an emulated network wait or a verifier
 forward), and back to back (`--idle-ms 0`). Each transport runs in its own fresh process, because
 grpc reads ``GRPC_EXPERIMENTS`` once when it is imported: ``event_engine`` is grpc's default,
-``iomgr`` is what SteerSpec's processes select (`steerspec.grpc_env`). Runs alternate between the
+``iomgr`` is what SteerSpec's processes select (`steerspec.serving.grpc_env`). Runs alternate between the
 two `--repeats` times so that drift of the machine hits both alike. Prints a table of median and
 p90 microseconds per round trip and writes JSON (`--out`).
 """
@@ -12,6 +12,7 @@ p90 microseconds per round trip and writes JSON (`--out`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -21,7 +22,13 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+import grpc
+from rich.console import Console
+from rich.table import Table
+
 from steerspec.errors import UsageError
+from steerspec.observability.trace_summary import percentile
+from steerspec.serving.grpc_env import LEGACY_TCP_EXPERIMENTS, OPT_OUT_VAR
 
 TRANSPORTS = ("event_engine", "iomgr")
 METHOD = "/steerspec.bench.Hop/Echo"
@@ -38,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def child_env(transport: str) -> Dict[str, str]:
     """The environment of a measuring process for `transport`."""
-    from steerspec.grpc_env import LEGACY_TCP_EXPERIMENTS, OPT_OUT_VAR
-
     env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", OPT_OUT_VAR)}
     if transport == "iomgr":
         env["GRPC_EXPERIMENTS"] = LEGACY_TCP_EXPERIMENTS
@@ -48,10 +53,6 @@ def child_env(transport: str) -> Dict[str, str]:
 
 async def _echo_round_trips(idle_ms: List[float], messages: int, payload: int) -> Dict[str, List[float]]:
     """In this process: {idle_ms: [µs per round trip]} over one echo stream on 127.0.0.1."""
-    import asyncio
-
-    import grpc
-
     async def echo(requests, context):
         async for message in requests:
             yield message
@@ -85,8 +86,6 @@ async def _echo_round_trips(idle_ms: List[float], messages: int, payload: int) -
 
 
 def _child_main(argv: List[str]) -> int:
-    import asyncio
-
     idle = [float(x) for x in argv[0].split(",")]
     print(json.dumps(asyncio.run(_echo_round_trips(idle, int(argv[1]), int(argv[2])))))
     return 0
@@ -112,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--messages and --repeats must be >= 1 and --payload-bytes in [1, 4 MiB]")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out: directory {Path(args.out).resolve().parent} does not exist")
-    from steerspec.tracing.summarize import percentile
 
     runs: Dict[str, Dict[str, List[List[float]]]] = {t: {f"{g:g}": [] for g in gaps} for t in TRANSPORTS}
     for _ in range(args.repeats):
@@ -137,8 +135,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title=f"gRPC echo round trip, {args.payload_bytes} B each way (µs; median of "
                         f"{args.repeats}×{args.messages})")

@@ -11,6 +11,10 @@ import platform
 from pathlib import Path
 from typing import Dict, Optional
 
+import torch
+
+from steerspec.models.layouts import onednn_min_rows, out_major_rows
+
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> Optional[str]:
     """The processor's model name (Linux /proc/cpuinfo), else platform.processor(), else None."""
@@ -27,10 +31,6 @@ def host_info(**lms) -> Dict[str, object]:
     """CPU model, logical cores, torch version, its CPU capability and the layout settings in force;
     for each named FastCachedLM given, the row count from which its passes read oneDNN copies (one
     row too where this machine measured them faster, models/kv.py)."""
-    import torch
-
-    from steerspec.models.layouts import onednn_min_rows, out_major_rows
-
     info = {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_min_rows": onednn_min_rows(), "out_major_rows": sorted(out_major_rows())}

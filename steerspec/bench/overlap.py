@@ -15,12 +15,19 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List
 
 import torch
 from torch import Tensor
 
+from steerspec.bench.drafters import drafter_dirs, load_prompts, split_names
+from steerspec.decoding.sampling import draft_distribution, truncate_top_k
 from steerspec.errors import UsageError
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer
+from steerspec.observability.run_record import command_line
+from steerspec.steering.runtime import maybe_steering
+from steerspec.train.teacher_forcing import teacher_forced, verifier_answer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,25 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def overlaps(p: Tensor, q: Tensor, top_k: int) -> Dict[str, Tensor]:
     """Per position [N]: Σ min(p, q) for the full q, the renormalised top K and the top K + spread
     tail (what decoding proposes), and KL(p ‖ q); p, q [N, V] probabilities."""
-    from steerspec.sampling import draft_distribution, truncate_top_k
-
     vocab = q.shape[-1]
     renorm = truncate_top_k(q, top_k).to_dense(vocab)
     spread = draft_distribution(q, top_k).to_dense(vocab)
     kl = (p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log())).sum(-1)
     return {"full": torch.minimum(p, q).sum(-1), "top_k": torch.minimum(p, renorm).sum(-1),
             "top_k_tail": torch.minimum(p, spread).sum(-1), "kl": kl}
-
-
-def verifier_answer(verifier, prompt: Sequence[int], max_new_tokens: int, seed: int, eos: Sequence[int],
-                    max_length: int) -> List[int]:
-    """The verifier's own T=1 continuation (what the drafters are measured against)."""
-    from steerspec.engine import DecodeConfig, autoregressive_generate
-    from steerspec.sampling import SamplingParams
-
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0), seed=seed,
-                       eos_token_ids=tuple(eos), max_length=max_length)
-    return list(prompt) + list(autoregressive_generate(verifier, prompt, cfg).token_ids)
 
 
 def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], prompt_len: int, delta: int,
@@ -69,33 +63,7 @@ def drafter_overlaps(verifier_model, drafter, steering, sequence: List[int], pro
     return overlaps(p, q_logits.float().softmax(-1), top_k)
 
 
-@torch.no_grad()
-def teacher_forced(verifier_model, drafter, steering, sequence: List[int], prompt_len: int,
-                   delta: int) -> Tuple[Tensor, Tensor]:
-    """(p [n, V] the verifier's probabilities, the drafter's logits [n, V]) at the n answer positions of one
-    sequence, the drafter steered with offset δ when `steering` (as in training validation)."""
-    from steerspec.train.distill import gather_steering, steering_sources
-
-    ids = torch.tensor([sequence])
-    out = verifier_model(input_ids=ids, output_hidden_states=steering is not None)
-    if steering is not None:
-        source, steered = steering_sources(torch.tensor([prompt_len]), ids.shape[1], delta)
-        steering.hooks.set_vector(gather_steering(steering.head, steering.head.gather(out.hidden_states), source), steered)
-    try:
-        q_logits = drafter(input_ids=ids).logits
-    finally:
-        if steering is not None:
-            steering.hooks.clear()
-    answer = slice(prompt_len - 1, len(sequence) - 1)
-    return out.logits[0, answer].float().softmax(-1), q_logits[0, answer]
-
-
 def run(args) -> int:
-    from steerspec.bench.sd2 import _names, drafter_dirs, load_prompts
-    from steerspec.cli._dispatch import command_line
-    from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
-    from steerspec.steering.runtime import maybe_steering
-
     if args.limit < 0 or args.max_new_tokens < 1 or not 1 <= args.k <= 64:
         raise UsageError("need --limit >= 0, --max-new-tokens >= 1 and --k in [1, 64]")
     if args.draft_top_k < 1:
@@ -105,7 +73,7 @@ def run(args) -> int:
     verifier = load_model(vdir)
     tok = load_tokenizer(vdir)
     drafters = {}
-    for label, ddir in drafter_dirs(_names(args.drafters)).items():
+    for label, ddir in drafter_dirs(split_names(args.drafters)).items():
         drafter = load_model(ddir)
         drafters[label] = (drafter, maybe_steering(drafter, ddir))
     if not drafters:
@@ -113,7 +81,7 @@ def run(args) -> int:
     eos, max_len = eos_token_ids(verifier, tok), context_length(verifier)
     started = time.time()
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for set_name in _names(args.sets):
+    for set_name in split_names(args.sets):
         prompts = [tok(p, add_special_tokens=False)["input_ids"]
                    for p in load_prompts(set_name, args.eval_dir, args.limit)]
         answers = [verifier_answer(verifier, ids, args.max_new_tokens, args.seed + i, eos, max_len)

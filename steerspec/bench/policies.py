@@ -28,12 +28,28 @@ import asyncio
 import json
 import platform
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
+from coordinator.cli import load_tokenizer_and_eos
+from coordinator.local import LocalCluster
+from steerspec.data.evalsets import SETS, load_eval_set
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.decoding.sampling import SamplingParams
+from steerspec.decoding.tree_decoding import tree_generate
+from steerspec.decoding.trees import parse_tree
 from steerspec.errors import UsageError, float_list
+from steerspec.models import cached_lm, load_model
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.policies import PolicyContext, PolicyError, make_policy, parse_spec, split_specs
+from steerspec.serving.linkemu import LinkModel
+from steerspec.steering.io import has_steering
+from steerspec.steering.runtime import maybe_steering
 
 HAS_INITIAL_K = {"fixed": "k", "heuristic": "k", "gammatune": "k", "gammatune+": "k"}
 TREE_PREFIX = "tree:"  # a configuration that drafts a static tree (--trees) instead of following a policy
@@ -90,15 +106,12 @@ def _validate(args) -> None:
     if any(r < 0 for r in args.rtt_list) or any(t < 0 for t in args.temp_list):
         raise UsageError("--rtt-ms and --temperatures must be >= 0")
     args.set_list = [s.strip() for s in args.sets.split(",") if s.strip()]
-    from steerspec.data.evalsets import SETS
 
     bad = [s for s in args.set_list if s not in SETS]
     if bad or not args.set_list:
         raise UsageError(f"--sets must name eval sets among {', '.join(SETS)}, got '{args.sets}'")
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise UsageError("--prompts must be >= 1 and --max-new-tokens >= 2")
-    from steerspec.policies import PolicyError, parse_spec, split_specs
-    from steerspec.trees import parse_tree
 
     args.policy_list = split_specs(args.policies)
     try:
@@ -148,9 +161,6 @@ def summarize(results: Sequence[Any], wall_s: float, walls: Optional[Sequence[fl
 
 
 def _config(args, temperature: float, i: int, eos):
-    from steerspec.engine import DecodeConfig
-    from steerspec.sampling import SamplingParams
-
     return DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
                         sampling=SamplingParams(temperature), eos_token_ids=eos,
                         acceptance="block" if args.verification == "block" else "token")
@@ -159,9 +169,6 @@ def _config(args, temperature: float, i: int, eos):
 def run_inprocess(v, d, prompt, i: int, args, temperature, policy, eos, steering=None, tree: Optional[str] = None):
     """One prompt under one policy (None = the verifier alone) or draft tree, in-process (an SD² drafter
     steered by `steering`); returns (result, wall seconds)."""
-    from steerspec.engine import autoregressive_generate, speculative_generate
-    from steerspec.tree_decoding import tree_generate
-
     config = _config(args, temperature, i, eos)
     start = time.perf_counter()
     if tree is not None:
@@ -198,7 +205,6 @@ def _runs(args) -> List[tuple]:
 
 def _record(rows, **row) -> None:
     rows.append(row)
-    import sys
 
     m = row["metrics"]
     print(f"[{row['set']} T={row['temperature']:g} {row['regime']}] {row['spec'] or 'verifier alone'}: "
@@ -228,13 +234,6 @@ async def measure(args, verifier, drafter, tokenizer_dir: str, tokenizer, eos,
     configurations are interleaved prompt by prompt, in a rotating order, so the host's drift over the
     minutes a regime takes hits them alike; each sums its own generations' wall time. Regimes already
     in `rows` (a resumed run) are skipped; `saved(rows)` is called after each regime."""
-    from coordinator.local import LocalCluster
-    from steerspec.data.evalsets import load_eval_set
-    from steerspec.linkemu import LinkModel
-    from steerspec.models import cached_lm
-    from steerspec.policies import PolicyContext, make_policy
-    from steerspec.steering.runtime import maybe_steering
-
     context = PolicyContext(drafter_dir=getattr(drafter, "name_or_path", None) or None,
                             hidden_size=int(drafter.config.hidden_size))
     v, d = cached_lm(verifier), cached_lm(drafter)
@@ -464,9 +463,11 @@ def _versus(v: Optional[Dict[str, float]]) -> str:
 
 def write_plot(report, path: str) -> None:
     """tokens/s (best initial k) against RTT, one line per policy, one panel per (set, T)."""
+    # lazy: matplotlib only to draw the figure
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only to draw the figure
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["pacer_table"] if r["regime"].startswith("rtt")]
@@ -543,18 +544,12 @@ def resumed(args: argparse.Namespace, config: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    import torch
 
-    from coordinator.cli import load_tokenizer_and_eos
-    from steerspec.models import load_model
-    from steerspec.models.loading import resolve_model_dir
-    from steerspec.steering.io import has_steering
 
     torch.set_num_threads(max(1, args.threads))
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
     tokenizer, eos = load_tokenizer_and_eos(str(vdir))
     verifier, drafter = load_model(vdir), load_model(ddir)
-    from steerspec.policies import PolicyContext, PolicyError, make_policy
 
     for spec in args.policy_list:  # trained policies without a head: one line before any timing
         try:

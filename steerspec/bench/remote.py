@@ -1,6 +1,6 @@
 """The distributed path over an emulated remote link, at several RTTs, in one run.
 
-For each RTT (coordinator ↔ verifier link emulated by steerspec.linkemu; in-process servers on
+For each RTT (coordinator ↔ verifier link emulated by steerspec.serving.linkemu; in-process servers on
 loopback via coordinator.local.LocalCluster):
 
 - ``autoregressive``: the verifier alone over the same link, one round trip per token;
@@ -24,13 +24,35 @@ import json
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.cli import load_tokenizer_and_eos
+from coordinator.launch import Services, launch
+from coordinator.local import LocalCluster
 from steerspec.bench.host import host_info
+from steerspec.cli.run import add_device_arguments, drafter_dtype_of
+from steerspec.decoding.engine import DecodeConfig, speculative_generate
+from steerspec.decoding.sampling import SamplingParams
+from steerspec.decoding.trees import parse_tree
 from steerspec.errors import UsageError, float_list
+from steerspec.models import load_model
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import resolve_device
+from steerspec.observability.run_record import command_line
+from steerspec.observability.trace_summary import percentile
+from steerspec.policies.fixed import FixedK
+from steerspec.serving.linkemu import LinkModel
+from steerspec.steering.io import steering_dir
+from steerspec.steering.runtime import maybe_steering
 
 STAGES = ("draft", "network", "queue", "verify", "overhead")
 TARGET_OVERHEAD_MS = 1.0
@@ -61,8 +83,6 @@ def _int_list(text: str, flag: str) -> List[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from steerspec.cli.run import add_device_arguments
-
     parser.add_argument("--rtt-ms", default="0,10,50,100", help="emulated round-trip times (comma-separated)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per mode and RTT")
     parser.add_argument("--prompt-set", default="indist", help="bundled eval set (falls back to built-in prompts)")
@@ -134,8 +154,6 @@ def summarize_runs(results: Sequence[Any], wall_s: Optional[float] = None) -> Di
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
     }
     if blocks:
-        from steerspec.tracing.summarize import percentile
-
         out.update({
             "bytes_up": round(_mean([b.bytes_up for b in blocks]), 1),
             "bytes_down": round(_mean([b.bytes_down for b in blocks]), 1),
@@ -167,10 +185,6 @@ def _prompts(args, tokenizer) -> List[List[int]]:
 
 def _engine_run(verifier, drafter, prompts, args, eos, steering=None) -> Dict[str, Any]:
     """The in-process engine on the same prompts (an SD² drafter steered, as through the services)."""
-    from steerspec.engine import DecodeConfig, speculative_generate
-    from steerspec.policies.fixed import FixedK
-    from steerspec.sampling import SamplingParams
-
     results = []
     for i, prompt in enumerate(prompts):
         config = DecodeConfig(max_new_tokens=args.max_new_tokens, draft_top_k=args.draft_top_k, seed=args.seed + i,
@@ -215,8 +229,6 @@ class RayCluster:
     """
 
     def __init__(self, args, workdir: str) -> None:
-        from coordinator.launch import Services, launch
-
         self.args = args
         self.trace_file = os.path.join(workdir, "coordinator.jsonl")
         gpus = 1 if args.device_type == "cuda" else 0  # each actor gets one GPU, its "cuda"
@@ -328,25 +340,17 @@ async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "") -> 
 
 
 async def _measure(args, verifier, drafter, tokenizer_name, prompts, eos) -> Dict[str, Any]:
-    from coordinator.launch import steering_dir
-    from coordinator.local import LocalCluster
-    from steerspec.linkemu import LinkModel
-
     rows = []
     verifier_options = _verifier_options(args)
     engine = None
     steered = steering_dir(args.drafter_dir) is not None  # an SD² drafter is measured steered everywhere
     if not args.no_engine:
-        from steerspec.steering.runtime import maybe_steering
-
         steering = maybe_steering(drafter, args.drafter_dir, device=args.device_type)
         _engine_run(verifier, drafter, prompts[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), eos,
                     steering)
         engine = _engine_run(verifier, drafter, prompts[:args.prompts], args, eos, steering)
     ray_cluster = None
     if args.deployment == "ray":
-        import tempfile
-
         ray_cluster = RayCluster(args, tempfile.mkdtemp(prefix="steerspec-bench-"))
         await ray_cluster.start()
     try:
@@ -414,8 +418,6 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
 
 
 def _progress(row: Dict[str, Any]) -> None:
-    import sys
-
     sd, ar = row["speculative"], row["autoregressive"]
     sys.stderr.write(f"rtt {row['rtt_ms']:g} ms: speculative {sd['tokens_per_s']} tok/s, "
                      f"autoregressive {ar['tokens_per_s']} tok/s\n")
@@ -453,9 +455,6 @@ def _f(value, digits: int = 1) -> str:
 
 
 def print_report(report: Dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # a file or pipe: do not squeeze the table into 80 columns
@@ -515,9 +514,11 @@ def print_report(report: Dict[str, Any]) -> None:
 
 
 def write_plot(report: Dict[str, Any], path: str) -> None:
+    # lazy: matplotlib only to draw the figure
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only to draw the figure
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
@@ -574,8 +575,6 @@ def _validate(args) -> None:
     if not (args.temperature >= 0):
         raise UsageError("--temperature must be >= 0")
     if args.tree is not None:
-        from steerspec.trees import parse_tree
-
         try:
             args.tree = parse_tree(args.tree).spec()
         except ValueError as exc:
@@ -587,15 +586,9 @@ def _validate(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from steerspec.cli._dispatch import command_line
-
     invoked = command_line("steerspec bench remote", args)  # before validation adds its derived keys
     _validate(args)
-    import torch
 
-    from coordinator.cli import load_tokenizer_and_eos
-    from steerspec.models import load_model
-    from steerspec.models.loading import resolve_device, resolve_model_dir
 
     device = resolve_device(args.device)  # bad or missing devices: one line, exit 2, before any loading
     args.device_type = device.type
@@ -606,7 +599,6 @@ def run(args: argparse.Namespace) -> int:
     args.verifier_dir, args.drafter_dir = verifier_dir, drafter_dir
     tokenizer, eos = load_tokenizer_and_eos(str(verifier_dir))
     prompts = _prompts(args, tokenizer)
-    from steerspec.cli.run import drafter_dtype_of
 
     args.drafter_dtype = drafter_dtype_of(args)  # resolved once: the engine row and the services load the same
     verifier = load_model(verifier_dir, dtype=args.dtype, device=device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import random
@@ -37,7 +38,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.cli import eos_ids_of
+from coordinator.client import Chunk, Client, Summary
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate
+from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
+from steerspec.models import load_model
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import load_tokenizer
+from steerspec.observability.trace_summary import percentile
+from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 KILLS = ("verifier", "drafter", "redis", "coordinator")
 PROBES = ("malformed", "oversized")
@@ -91,8 +104,6 @@ def _service_env() -> Dict[str, str]:
 def _die_with_parent() -> None:
     """In the child (Linux): SIGKILL it when the soak process dies, so no part outlives a killed soak."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -268,10 +279,6 @@ class Clock:
 
 async def _client_loop(index: int, target: str, prompts: Sequence[List[int]], args, clock: Clock,
                        sessions: List[Session], seed: int) -> None:
-    from coordinator.client import Chunk, Client, Summary
-
-    import grpc
-
     rng = random.Random(seed)
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 200),
                ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -323,8 +330,6 @@ class Fault:
 
 async def _code_of(call) -> str:
     """The status code name a call ended with ("OK" when it answered)."""
-    import grpc
-
     try:
         if hasattr(call, "write"):  # a client-streaming call: send the garbage now
             await call.write(GARBAGE)
@@ -343,9 +348,6 @@ async def _code_of(call) -> str:
 
 
 async def _healthy(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -356,8 +358,6 @@ async def _healthy(address: str) -> bool:
 
 async def _malformed(fault: Fault, deployment: Deployment, rng: random.Random) -> None:
     """Garbage bytes on the coordinator's Generate and a verifier's and a drafter's streams."""
-    import grpc
-
     ident = lambda b: b  # noqa: E731 - raw bytes both ways
     verifier, drafter = rng.choice(deployment.verifiers), rng.choice(deployment.drafters)
     targets = [("coordinator", deployment.coordinator.address, "/steerspec.v1.CoordinatorService/Generate", False),
@@ -378,10 +378,6 @@ async def _malformed(fault: Fault, deployment: Deployment, rng: random.Random) -
 
 async def _oversized(fault: Fault, deployment: Deployment) -> None:
     """A 3 MB text prompt, 200k prompt ids (both past the context) and a message past the 16 MB limit."""
-    import grpc
-
-    from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
-
     fault.target = "coordinator"
     requests = {"text_3mb": coordinator_pb2.GenerateRequest(prompt="def f():\n    return 1\n" * 140_000,
                                                              max_new_tokens=8),
@@ -462,10 +458,6 @@ def _prompts(args, tokenizer) -> List[List[int]]:
 
 def _references(args, prompts: Sequence[List[int]], used: Sequence[int], eos: Tuple[int, ...]) -> Dict[int, List[int]]:
     """The verifier-only greedy output of every prompt used (autoregressive, EOS included)."""
-    from steerspec.engine import DecodeConfig, autoregressive_generate
-    from steerspec.models import load_model
-    from steerspec.sampling import SamplingParams
-
     model = load_model(args.verifier)
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=0.0),
                           eos_token_ids=eos)
@@ -530,16 +522,12 @@ def _validate(args) -> Tuple[List[str], str]:
     binary = args.redis_server or shutil.which("redis-server")
     if not binary or not Path(binary).is_file():
         raise UsageError("redis-server not found: install it (apt-get install redis-server) or pass --redis-server")
-    from steerspec.models.loading import resolve_model_dir
 
     args.verifier, args.drafter = str(resolve_model_dir(args.verifier)), str(resolve_model_dir(args.drafter))
     return _parse_kinds(args.faults), binary
 
 
 async def _soak(args, kinds: Sequence[str], redis_binary: str, workdir: Path) -> Dict[str, object]:
-    from coordinator.cli import eos_ids_of
-    from steerspec.models.loading import load_tokenizer
-
     tokenizer = load_tokenizer(args.verifier)
     prompts = _prompts(args, tokenizer)
     eos = eos_ids_of(Path(args.verifier), tokenizer)
@@ -571,8 +559,6 @@ async def _soak(args, kinds: Sequence[str], redis_binary: str, workdir: Path) ->
 
 
 def _report(args, sessions, faults, references, t0, wall_s, startup_s, kinds) -> Dict[str, object]:
-    from steerspec.tracing.summarize import percentile
-
     counts = check(sessions, references)
     completed = [s for s in sessions if s.summary_ids is not None]
     good = [s for s in completed if s.streamed == references[s.prompt] == s.summary_ids]
@@ -612,6 +598,7 @@ def _print_table(report: Dict[str, object]) -> None:
             ("client retries / resumes", f"{report['client_retries']} / {report['resumes']}"),
             ("errors by code", ", ".join(f"{k} {v}" for k, v in report["errors_by_code"].items()) or "none")]
     try:
+        # lazy and optional: a plain listing when rich is missing
         from rich.console import Console
         from rich.table import Table
     except ImportError:

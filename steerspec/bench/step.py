@@ -14,6 +14,7 @@ the same work. Ratios are against the floor measured in the same run.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -24,16 +25,26 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from rich.console import Console
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 
 from steerspec.bench.host import host_info
+from steerspec.cli.run import add_model_arguments
+from steerspec.decoding import fastpath
+from steerspec.decoding.engine import DecodeConfig, draft_block, make_generators, verify_block
+from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
+from steerspec.models import load_model
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.graphed import GraphedLM, StaticKVPool
+from steerspec.models.kv import FastCachedLM
+from steerspec.models.loading import cache_kwarg, resolve_device
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from steerspec.cli.run import add_model_arguments
-
     parser.add_argument("--dtypes", default=None,
                         help="comma-separated dtypes to measure (default: --dtype); e.g. float32,bfloat16,float16")
     parser.add_argument("--k", type=int, default=8, help="draft length of the blocks (default: 8)")
@@ -84,8 +95,6 @@ PROFILE_GROUPS = {
 def profile_calls(calls: List[Callable[[], Any]], device: torch.device, blocks: int) -> Dict[str, Any]:
     """Run each call `blocks` times under torch.profiler; count launches, syncs, copies, `.item()`s,
     and total CPU and device time (ms) — where a block's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     t0 = time.perf_counter()
@@ -120,11 +129,9 @@ class HFFloor:
     `calls` sizes it); 4.x takes `cache_position`, fixed here, so each call rewrites the same slots."""
 
     def __init__(self, model, prefix: int, n: int, calls: int, compile_mode: Optional[str]) -> None:
-        import inspect
-
+        # lazy: transformers takes seconds to import
         from transformers import StaticCache
 
-        from steerspec.models.loading import cache_kwarg
 
         self.device = model.device
         capacity = prefix + n * (calls + 2)
@@ -156,13 +163,6 @@ class HFFloor:
 
 
 def _measure_dtype(args, dtype: str) -> Dict[str, Any]:
-    from steerspec import fastpath
-    from steerspec.engine import DecodeConfig, draft_block, make_generators, verify_block
-    from steerspec.models import load_model
-    from steerspec.models.graphed import GraphedLM, StaticKVPool
-    from steerspec.models.kv import FastCachedLM
-    from steerspec.sampling import SamplingParams
-
     verifier = load_model(args.verifier, dtype=dtype, device=args.device)
     drafter = load_model(args.drafter, dtype=dtype, device=args.device)
     device = verifier.device
@@ -252,8 +252,6 @@ def _measure_dtype(args, dtype: str) -> Dict[str, Any]:
 
 
 def _table(report: Dict[str, Any]):
-    from rich.table import Table
-
     table = Table(title=f"steerspec bench step — {report['config']['device']} ({report['machine']['gpu'] or 'CPU'}), "
                         f"k={report['config']['k']}, T={report['config']['temperature']}, median ms")
     for col in ("dtype", "what", "SteerSpec before", "SteerSpec now", "floor", "now / floor"):
@@ -270,10 +268,6 @@ def _table(report: Dict[str, Any]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from steerspec.models.loading import resolve_device, resolve_model_dir
-
     device = resolve_device(args.device)  # a bad or absent device: one line, exit 2, before loading
     dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]

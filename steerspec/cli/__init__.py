@@ -7,8 +7,8 @@ import importlib
 import sys
 from typing import NoReturn, Sequence
 
-from steerspec import grpc_env
 from steerspec.errors import UsageError
+from steerspec.serving import grpc_env
 
 # Command modules; each defines `register(subparsers) -> None` and sets `func` on its parsers.
 COMMAND_MODULES = (
@@ -75,6 +75,7 @@ def _rpc_code(exc: BaseException):
     """The gRPC status code of a failed call, or None for any other exception."""
     if "grpc" not in sys.modules:
         return None
+    # lazy: the CLI starts without loading torch
     import grpc
 
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and hasattr(exc, "details"):

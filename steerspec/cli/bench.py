@@ -1,18 +1,18 @@
 """`steerspec bench engine|remote|sd2|hop|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a table and write JSON."""
 
-from steerspec.cli._dispatch import register_group
+from steerspec.cli.dispatch import register_group
 
 COMMANDS = (
-    ("engine", "steerspec.bench.engine", "in-process engine vs verifier alone vs transformers assisted generation"),
+    ("engine", "steerspec.bench.in_process", "in-process engine vs verifier alone vs transformers assisted generation"),
     ("remote", "steerspec.bench.remote", "distributed path over an emulated remote link"),
-    ("sd2", "steerspec.bench.sd2", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
+    ("sd2", "steerspec.bench.drafters", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
     ("hop", "steerspec.bench.hop", "one gRPC hop after idle under grpc's two TCP transports"),
-    ("sprinter", "steerspec.bench.sprinter", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),
+    ("sprinter", "steerspec.bench.lossy", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),
     ("overlap", "steerspec.bench.overlap", "teacher-forced draft acceptance Σ min(p, q) per drafter and q truncation"),
     ("policies", "steerspec.bench.policies", "draft-length policies (GammaTune Table 2, Pacer Tables 1/6 layouts) at RTTs"),
     ("soak", "steerspec.bench.soak", "chaos soak: clients generate while parts are killed; nothing lost, repeated or wrong"),
     ("step", "steerspec.bench.step", "per-step latencies (drafter step, k+1 extend, draft/verify block) vs an HF floor"),
-    ("layouts", "steerspec.bench.layouts", "CPU weight layout per pass of n rows: input-major vs out-major copies"),
+    ("layouts", "steerspec.bench.weight_layouts", "CPU weight layout per pass of n rows: input-major vs out-major copies"),
 )
 
 

@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-from steerspec.models.loading import ALIASES, BUNDLED_NAMES, MODELS_DIR
+from rich.console import Console
+from rich.table import Table
+from safetensors import safe_open
+
+from steerspec.models import smollm2
+from steerspec.models.checkpoints import ALIASES, BUNDLED_NAMES, MODELS_DIR
+from steerspec.models.draft_temperature import CONFIG_KEY
+from steerspec.models.reduced import REDUCED_KEY
 
 
 def register(subparsers) -> None:
@@ -19,8 +26,6 @@ def register(subparsers) -> None:
 
 def count_parameters(path: Path) -> int:
     """Parameters stored in a checkpoint's safetensors files (read from headers, no weights loaded)."""
-    from safetensors import safe_open
-
     total = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -60,9 +65,6 @@ def describe() -> List[Dict[str, object]]:
 def reduced_row(path: Path) -> Dict[str, object]:
     """A bundled reduced drafter: its own parameters (the embedding and head rows it reads from its
     verifier at load time are not counted) and its draft vocabulary."""
-    from steerspec.models.draft_temperature import CONFIG_KEY
-    from steerspec.models.reduced import REDUCED_KEY
-
     config = json.loads((path / "config.json").read_text())
     reduced = config[REDUCED_KEY]
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -81,8 +83,6 @@ def reduced_row(path: Path) -> Dict[str, object]:
 
 def smollm2_row() -> Dict[str, object]:
     """The real verifier `smollm2`: its source package and version, license, size and cache location."""
-    from steerspec.models import smollm2
-
     info = smollm2.describe()
     path = Path(str(info["path"]))
     converted = bool(info["converted"])
@@ -104,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title="bundled models")
     for column in ("name", "parameters", "architecture", "layers", "hidden", "context", "MB", "path"):

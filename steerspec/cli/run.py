@@ -21,9 +21,26 @@ import json
 import sys
 from typing import List, Tuple
 
+import torch
+
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.decoding.sampling import MAX_DRAFT_TOP_K, SamplingParams
+from steerspec.decoding.tree_decoding import tree_generate
+from steerspec.decoding.trees import DEFAULT_TREE, parse_tree
 from steerspec.errors import UsageError
-from steerspec.linkemu import add_link_arguments, link_from_args
-from steerspec.sampling import MAX_DRAFT_TOP_K, SamplingParams
+from steerspec.models import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+from steerspec.models.backends import cached_lm
+from steerspec.models.kv import FastCachedLM
+from steerspec.models.layouts import DRAFTER_DTYPES, drafter_dtype
+from steerspec.models.loading import apply_threads, check_swiglu
+from steerspec.policies import PolicyContext, PolicyError, make_policy
+from steerspec.serving import security
+from steerspec.serving.identity import describe, drafter_fix, mismatch_message, pair_differences
+from steerspec.serving.linkemu import add_link_arguments, link_from_args
+from steerspec.sprinter.classifier import resolve_head
+from steerspec.sprinter.decoding import sprinter_generate
+from steerspec.sprinter.spec import VerificationError, parse_verification
+from steerspec.steering.runtime import maybe_steering
 
 MODES = ("speculative", "autoregressive")
 TRANSPORTS = ("inproc", "grpc")
@@ -37,8 +54,6 @@ DEFAULT_POLICY = "gammatune+"
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --drafter-dtype and --device: where the models compute (shared with the benchmarks)."""
-    from steerspec.models.layouts import DRAFTER_DTYPES
-
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
                         help="the drafter's dtype (default: auto = bfloat16 on a CPU with native bf16 when --dtype "
@@ -100,12 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=None, metavar="SPEC",
                         help="draft tree instead of a draft length: rank paths such as 0,1,00,000 or 'default' "
                              "(in process and through the services; at T > 0 each node's children are sampled "
-                             "without replacement; steerspec/trees.py). Default on a CPU without --policy or --k: "
+                             "without replacement; steerspec/decoding/trees.py). Default on a CPU without --policy or --k: "
                              "the default tree")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
-    from steerspec import security
 
     security.add_arguments(parser, serving=False)
 
@@ -150,9 +164,6 @@ def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
 
 def load_pair(args: argparse.Namespace, need_drafter: bool = True):
     """(verifier, drafter or None, tokenizer) from --verifier/--drafter/--dtype/--device."""
-    from steerspec.models import load_model, load_tokenizer
-    from steerspec.models.loading import apply_threads
-
     verifier = load_model(args.verifier, dtype=args.dtype, device=args.device)
     apply_threads(getattr(args, "threads", 0), verifier)
     tokenizer = load_tokenizer(args.verifier)
@@ -165,16 +176,12 @@ def load_pair(args: argparse.Namespace, need_drafter: bool = True):
 
 def drafter_dtype_of(args: argparse.Namespace) -> str:
     """--drafter-dtype resolved against --dtype and --device (`layouts.drafter_dtype`)."""
-    from steerspec.models.layouts import drafter_dtype
-
     return drafter_dtype(getattr(args, "drafter_dtype", None), args.dtype, getattr(args, "device", "cpu"))
 
 
 def check_same_vocabulary(verifier_dir, drafter_dir, tokenizer) -> None:
     """Speculative decoding needs one vocabulary on both sides: the drafter's identity checked against the
     verifier's, as the services check it (`models/identity.py`); UsageError naming both and the fix."""
-    from steerspec.models.identity import describe, drafter_fix, mismatch_message, pair_differences
-
     verifier = describe(verifier_dir, tokenizer)
     drafter = describe(drafter_dir, role="drafter")
     differences = pair_differences(verifier, drafter)
@@ -196,13 +203,9 @@ def encode_prompt(tokenizer, prompt: str, max_length: int) -> List[int]:
 
 
 def decode_config(args: argparse.Namespace, params: SamplingParams, verifier, drafter, tokenizer):
-    from steerspec.engine import DecodeConfig
-    from steerspec.models import context_length, eos_token_ids
-
     limit = context_length(verifier)
     if drafter is not None:
         limit = min(limit, context_length(drafter))
-    from steerspec.sprinter.spec import parse_verification
 
     return DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=params, draft_top_k=args.draft_top_k,
                         seed=args.seed, eos_token_ids=eos_token_ids(verifier, tokenizer), max_length=limit,
@@ -218,7 +221,6 @@ def _grpc_runner():
 
 def generate(args: argparse.Namespace) -> Tuple[object, object]:
     """Validate, load, generate; returns (GenerationResult, tokenizer)."""
-    from steerspec.engine import autoregressive_generate, speculative_generate
     if not args.prompt:
         raise UsageError("the prompt is empty: pass some text to continue")
     params = validate_decoding_args(args)
@@ -231,21 +233,15 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     if verification.lossy and runner is None:
         return _generate_sprinter(args, params, verification)
     if verification.lossy and not getattr(args, "coordinator", None):  # the local services' drafter needs a head
-        from steerspec.models import resolve_model_dir
-        from steerspec.sprinter.head import resolve_head
-
         resolve_head(resolve_model_dir(args.drafter), args.sprinter_head)
     if args.transport == "grpc" and runner is None:
         sys.stderr.write("steerspec: note: the grpc transport (coordinator.launch) is not installed; "
                          "running in-process\n")
     if runner is not None:
         # the services load the weights; here only the tokenizer and the context limit are needed
-        from steerspec.models import load_tokenizer, resolve_model_dir
-        from steerspec.models.loading import _check_swiglu
-
-        configs = [_check_swiglu(resolve_model_dir(args.verifier))]
+        configs = [check_swiglu(resolve_model_dir(args.verifier))]
         if speculative:
-            configs.append(_check_swiglu(resolve_model_dir(args.drafter)))
+            configs.append(check_swiglu(resolve_model_dir(args.drafter)))
         tokenizer = load_tokenizer(args.verifier)
         if speculative:
             check_same_vocabulary(args.verifier, args.drafter, tokenizer)
@@ -259,15 +255,9 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     config = decode_config(args, params, verifier, drafter, tokenizer)
     prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
     if speculative:
-        from steerspec.models import resolve_model_dir
-        from steerspec.models.kv import cached_lm
-        from steerspec.steering.runtime import maybe_steering
-
         drafter = cached_lm(drafter)
         steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)  # SD² drafters
         if tree is not None:
-            from steerspec.tree_decoding import tree_generate
-
             return tree_generate(verifier, drafter, prompt_ids, config, tree, steering=steering,
                                  tokenizer=tokenizer), tokenizer
         result = speculative_generate(verifier, drafter, prompt_ids, config, policy, tokenizer=tokenizer,
@@ -283,7 +273,6 @@ def tree_from_args(args: argparse.Namespace, chains_only: bool):
     spec = getattr(args, "tree", None)
     if spec is None:
         return None
-    from steerspec.trees import parse_tree
 
     try:
         shape = parse_tree(spec)
@@ -307,11 +296,9 @@ def default_tree(args: argparse.Namespace, chains_only: bool):
             getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu" \
             or getattr(args, "coordinator", None):
         return None
+    # lazy: transformers takes seconds to import
     from transformers import AutoConfig
 
-    from steerspec.models import resolve_model_dir
-    from steerspec.models.kv import FastCachedLM
-    from steerspec.trees import DEFAULT_TREE, parse_tree
 
     for name in (args.verifier, args.drafter):
         try:
@@ -328,8 +315,6 @@ def default_tree(args: argparse.Namespace, chains_only: bool):
 def policy_from_args(args: argparse.Namespace, lossy: bool = False):
     """The draft-length policy --policy names (fixed with --k when absent, else DEFAULT_POLICY, or `fixed`
     under SPRINTER, whose classifier ends the runs); UsageError lists the known ones."""
-    from steerspec.policies import PolicyContext, PolicyError, make_policy
-
     fixed = not getattr(args, "policy", None) and getattr(args, "k", None) is not None
     spec = getattr(args, "policy", None) or (f"fixed:k={args.k}" if fixed else "fixed" if lossy else DEFAULT_POLICY)
     try:
@@ -345,8 +330,6 @@ def policy_from_args(args: argparse.Namespace, lossy: bool = False):
 
 def parse_verification_arg(args: argparse.Namespace):
     """The --verification spec, checked before anything loads (one-line UsageError)."""
-    from steerspec.sprinter.spec import VerificationError, parse_verification
-
     try:
         verification = parse_verification(getattr(args, "verification", "exact"))
     except VerificationError as exc:
@@ -358,12 +341,6 @@ def parse_verification_arg(args: argparse.Namespace):
 
 def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verification):
     """SPRINTER (lossy) in this process: the head must exist for the drafter before models load."""
-    from steerspec.models import resolve_model_dir
-    from steerspec.models.kv import cached_lm
-    from steerspec.sprinter.decoding import sprinter_generate
-    from steerspec.sprinter.head import resolve_head
-    from steerspec.steering.runtime import maybe_steering
-
     loaded = resolve_head(resolve_model_dir(args.drafter), args.sprinter_head, device=args.device)
     verifier, drafter, tokenizer = load_pair(args)
     config = decode_config(args, params, verifier, drafter, tokenizer)
@@ -378,14 +355,10 @@ def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verific
 
 
 def _torch_threads() -> int:
-    import torch
-
     return torch.get_num_threads()
 
 
 def run(args: argparse.Namespace) -> int:
-    from steerspec import security
-
     security.configure_from_args(args)
     result, _ = generate(args)
     if args.json:

@@ -1,6 +1,6 @@
 """`steerspec serve verifier|drafter|coordinator`: run one service standalone."""
 
-from steerspec.cli._dispatch import register_group
+from steerspec.cli.dispatch import register_group
 
 COMMANDS = (
     ("verifier", "verifier_service.cli", "the remote verifier gRPC server"),

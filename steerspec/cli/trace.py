@@ -1,8 +1,8 @@
 """`steerspec trace summarize FILE`: round-trip cost breakdown from a trace file."""
 
-from steerspec.cli._dispatch import register_group
+from steerspec.cli.dispatch import register_group
 
-COMMANDS = (("summarize", "steerspec.tracing.summarize", "per-stage median and p90 from a JSONL trace file"),)
+COMMANDS = (("summarize", "steerspec.observability.trace_summary", "per-stage median and p90 from a JSONL trace file"),)
 
 
 def register(subparsers) -> None:

@@ -1,16 +1,16 @@
 """`steerspec train base|synth|distill|sd2|sprinter|pacer|specdecpp|smollm2|temperature`: the project's own training pipelines."""
 
-from steerspec.cli._dispatch import register_group
+from steerspec.cli.dispatch import register_group
 
 COMMANDS = (
-    ("base", "steerspec.train.base", "pretrain the bundled verifier or drafter on the CPython stdlib"),
+    ("base", "steerspec.train.pretrain", "pretrain the bundled verifier or drafter on the CPython stdlib"),
     ("synth", "steerspec.train.synth", "generate verifier answers at T=1 as a training set"),
     ("distill", "steerspec.train.distill", "distil the drafter on synthetic data (no steering)"),
-    ("sd2", "steerspec.train.sd2", "train drafter, W_s and W_hml together (SD²)"),
-    ("sprinter", "steerspec.train.sprinter", "train the SPRINTER acceptance classifier for a drafter (lossy mode)"),
-    ("pacer", "steerspec.train.pacer", "train the Pacer pre-verification layer for a drafter (draft-length policy)"),
-    ("specdecpp", "steerspec.train.specdecpp", "train the SpecDec++ rejection head for a drafter (draft-length policy)"),
-    ("smollm2", "steerspec.train.smollm2", "train a reduced drafter for the smollm2 verifier on code"),
+    ("sd2", "steerspec.train.sd2_joint", "train drafter, W_s and W_hml together (SD²)"),
+    ("sprinter", "steerspec.train.sprinter_classifier", "train the SPRINTER acceptance classifier for a drafter (lossy mode)"),
+    ("pacer", "steerspec.train.pacer_head", "train the Pacer pre-verification layer for a drafter (draft-length policy)"),
+    ("specdecpp", "steerspec.train.specdecpp_head", "train the SpecDec++ rejection head for a drafter (draft-length policy)"),
+    ("smollm2", "steerspec.train.smollm2_drafter", "train a reduced drafter for the smollm2 verifier on code"),
     ("temperature", "steerspec.train.temperature",
      "calibrate a drafter's draft temperature (the scale of its logits that maximises acceptance)"),
 )

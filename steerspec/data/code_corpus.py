@@ -13,15 +13,22 @@ import hashlib
 import json
 import platform
 import sysconfig
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from steerspec.data.corpus import (DEFAULT_SEED, _all_py, is_excluded, read_source, stable_unit, stdlib_root,
-                                   stdlib_split)
+from steerspec.data.corpus import (
+    DEFAULT_SEED,
+    all_py_files,
+    is_excluded,
+    read_source,
+    stable_unit,
+    stdlib_root,
+    stdlib_split,
+)
 
 PACKAGE_HELDOUT_FRAC = 0.05
 MAX_FILE_CHARS = 200_000  # generated tables and vendored blobs teach nothing about code
@@ -66,7 +73,7 @@ def iter_code_files(seed: int = DEFAULT_SEED, include_packages: bool = True,
     root = Path(stdlib) if stdlib is not None else stdlib_root()
     split = stdlib_split(seed=seed, root=root)
     heldout = set(split.heldout)
-    sources: List[Tuple[str, Path, Sequence[str]]] = [("stdlib", root, [r for r in _all_py(root) if not is_excluded(r)])]
+    sources: List[Tuple[str, Path, Sequence[str]]] = [("stdlib", root, [r for r in all_py_files(root) if not is_excluded(r)])]
     if include_packages:
         proot = Path(packages) if packages is not None else site_packages_root()
         sources.append(("site", proot, _package_files(proot)))

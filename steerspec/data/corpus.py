@@ -50,7 +50,7 @@ def is_test_file(rel: str) -> bool:
     )
 
 
-def _all_py(root: Path) -> List[str]:
+def all_py_files(root: Path) -> List[str]:
     """All *.py under root (sorted relative posix paths), never descending into installed packages."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -64,13 +64,13 @@ def _all_py(root: Path) -> List[str]:
 def list_source_files(root: Optional[Path] = None) -> List[str]:
     """Relative posix paths of the corpus files (sorted), exclusions applied."""
     root = Path(root) if root is not None else stdlib_root()
-    return [rel for rel in _all_py(root) if not is_excluded(rel)]
+    return [rel for rel in all_py_files(root) if not is_excluded(rel)]
 
 
 def list_test_files(root: Optional[Path] = None) -> List[str]:
     """Relative posix paths of the stdlib test-suite files (sorted): out-of-distribution text."""
     root = Path(root) if root is not None else stdlib_root()
-    return [rel for rel in _all_py(root) if is_test_file(rel)]
+    return [rel for rel in all_py_files(root) if is_test_file(rel)]
 
 
 def read_source(root: Path, rel: str) -> str:

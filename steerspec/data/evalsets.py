@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from steerspec.data.corpus import DEFAULT_SEED, list_test_files, read_source, stable_unit, stdlib_root, stdlib_split
+from steerspec.data.tokenizer import load_tokenizer
 
 SETS = ("indist", "tests", "docs")
 # Hand-written, not generated: `fresh` is Python written for SteerSpec and published nowhere, so no
@@ -154,8 +155,6 @@ def write_eval_sets(sets: Dict[str, List[Dict[str, str]]], out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from steerspec.data.tokenizer import load_tokenizer
-
     parser = argparse.ArgumentParser(description="Build the indist/tests/docs eval prompt sets (JSONL).")
     parser.add_argument("--out", type=Path, default=assets_dir())
     parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory (the bundled BPE)")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from steerspec.data.corpus import DEFAULT_HELDOUT_FRAC, DEFAULT_SEED, CorpusSplit, iter_texts, stdlib_split
 
@@ -22,7 +23,7 @@ DEFAULT_VOCAB_SIZE = 4096
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Train a byte-level BPE on `texts`; returns a transformers PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    # lazy: transformers takes seconds to import
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -62,6 +63,7 @@ def build_tokenizer(out: Path, split: Optional[CorpusSplit] = None, vocab_size: 
 
 
 def load_tokenizer(path: Path):
+    # lazy: transformers takes seconds to import
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

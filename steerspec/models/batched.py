@@ -26,8 +26,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from steerspec.models.graphed import can_graph, graphed_step
-from steerspec.models.kv import (CachedLM, FastCachedLM, StepOutput, _has_global_hooks, _hook_state, _rms_norm,
-                                 _rotate_half)
+from steerspec.models.kv import (
+    CachedLM,
+    FastCachedLM,
+    StepOutput,
+    has_global_hooks,
+    hook_state,
+    rms_normalize,
+    rotate_half,
+)
 from steerspec.models.layouts import linear as kernel_linear
 
 
@@ -40,10 +47,10 @@ def can_batch(lms: Sequence[CachedLM]) -> bool:
     if not lms or not all(isinstance(lm, FastCachedLM) for lm in lms):
         return False
     model = lms[0].model
-    if any(lm.model is not model for lm in lms) or _has_global_hooks():
+    if any(lm.model is not model for lm in lms) or has_global_hooks():
         return False
     for plan in lms[0]._plans:
-        hooked, steering = _hook_state(plan[0])
+        hooked, steering = hook_state(plan[0])
         if hooked or (steering is not None and steering.active):
             return False
     return True
@@ -118,7 +125,7 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
         offset += n
     biases = _row_biases(lms)
     repeat = torch.tensor(counts, device=device)
-    linear, rms_norm, sdpa = kernel_linear, _rms_norm, F.scaled_dot_product_attention
+    linear, rms_norm, sdpa = kernel_linear, rms_normalize, F.scaled_dot_product_attention
     x = F.embedding(torch.cat(ids).to(device), first._embed)  # [N, D]
     captured = {}
     plans, head = first.plans_for(total)
@@ -131,8 +138,8 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
         v = linear(h, *plan[5]).view(total, kv_heads, hd)
         if plan[7] is not None:
             q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         outs = []
         for row, (lm, start, (lo, hi)) in enumerate(zip(lms, starts, spans)):
             keys, values = lm._keys[index], lm._values[index]

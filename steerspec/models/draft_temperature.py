@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+
+from steerspec.models.checkpoints import model_dir_of
 
 CONFIG_KEY = "steerspec_draft_temperature"
 
@@ -29,8 +31,6 @@ def configured(config) -> Optional[float]:
 
 def of_dir(model_dir: Union[str, Path]) -> Optional[float]:
     """The draft temperature a checkpoint directory's (or bundled name's) config.json carries, or None."""
-    from steerspec.models.loading import model_dir_of
-
     config = model_dir_of(model_dir) / "config.json"
     if not config.is_file():
         return None
@@ -65,18 +65,3 @@ def clear(config) -> None:
     """Remove the draft temperature from a model config (the raw logits it was loaded with carry none)."""
     if hasattr(config, CONFIG_KEY):
         delattr(config, CONFIG_KEY)
-
-
-def acceptance_by_temperature(p: Tensor, logits: Tensor, temperatures: Sequence[float],
-                              top_k: int) -> Dict[float, Tensor]:
-    """Per position [N], for each t: Σ min(p, q_t) where q_t is what decoding proposes from logits / t
-    (its top `top_k` plus the spread tail, `sampling.draft_distribution`); p [N, V] probabilities,
-    logits [N, V] the drafter's raw logits."""
-    from steerspec.sampling import draft_distribution
-
-    vocab = logits.shape[-1]
-    out: Dict[float, Tensor] = {}
-    for t in temperatures:
-        q = draft_distribution((logits.float() / float(t)).softmax(-1), top_k).to_dense(vocab)
-        out[float(t)] = torch.minimum(p.float(), q).sum(-1)
-    return out

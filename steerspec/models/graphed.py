@@ -10,7 +10,7 @@ runs eagerly (that is how the tests check it). SD²'s per-layer up-bias is a sta
 
 `static_forward` attends over the whole capacity under a mask, so its logits equal
 FastCachedLM's to float rounding (~1e-6 in fp32), not bit for bit; greedy tokens are the same
-(tests/test_graphed.py). `cached_lm(model, "graphed")` builds one; `auto` picks it on CUDA.
+(tests/models/test_graphed.py). `cached_lm(model, "graphed")` builds one; `auto` picks it on CUDA.
 Environment: STEERSPEC_GRAPH_SLOTS (sequences per pool, default 16), STEERSPEC_GRAPH_CAPACITY
 (tokens per sequence, default 2048, at most the model's context: attention reads the whole capacity), STEERSPEC_CUDA_GRAPHS=0
 (static cache without graph capture).
@@ -26,8 +26,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
-from steerspec.models.kv import FastCachedLM, StepOutput, TokenIds, _has_global_hooks, _rms_norm, _rotate_half
+from steerspec.models.kv import FastCachedLM, StepOutput, TokenIds, has_global_hooks, rms_normalize, rotate_half
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65)  # k + 1 for k = 0, 1, 2, 4, 8, 16, 32, 64
@@ -149,7 +150,7 @@ def static_forward(pool: StaticKVPool, tokens: Tensor, slots: Tensor, starts: Te
     sin = pool.sin[positions].unsqueeze(1)
     mask = (pool.key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, n, cap]
     rows = slots.view(batch, 1).expand(batch, n)
-    linear, rms_norm = F.linear, _rms_norm
+    linear, rms_norm = F.linear, rms_normalize
     captured: Dict[int, Tensor] = {}
     x = F.embedding(tokens, lm._embed)  # [B, n, D]
     for index, plan in enumerate(lm._plans):
@@ -162,8 +163,8 @@ def static_forward(pool: StaticKVPool, tokens: Tensor, slots: Tensor, starts: Te
         if plan[7] is not None:
             q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         keys, values = pool.keys[index], pool.values[index]
         keys.index_put_((rows, positions), k.transpose(1, 2))
         values.index_put_((rows, positions), v)
@@ -239,8 +240,6 @@ class GraphedLM(FastCachedLM):
         a hook was registered since (RemovableHandle.next_id) or a hook dict seen non-empty changed
         size: a full scan costs ~4 µs per layer, too much for every step. (A `forward` patched onto a
         module after the first call is not seen: call `refresh()` after patching.)"""
-        from torch.utils.hooks import RemovableHandle
-
         cached = self._scan
         if cached is not None and cached[0] == RemovableHandle.next_id and all(len(d) == k for d, k in cached[3]):
             return cached[1], cached[2]
@@ -268,7 +267,7 @@ class GraphedLM(FastCachedLM):
         Foreign hooks, a per-position or several-row steering bias, or a last-position-only bias
         over several tokens need the eager path.
         """
-        if _has_global_hooks():
+        if has_global_hooks():
             return False, None
         foreign, owners = self._hook_scan()
         if foreign:

@@ -2,7 +2,7 @@
 
 Both sides of speculative decoding hold one (batch 1). Two backends, one interface
 (`length`, `extend(ids, hidden_layers=None, logits_to_keep=0) -> StepOutput`, `rollback(n)`,
-`reset()`); `cached_lm(model)` picks the fast one when the architecture allows:
+`reset()`); `models/backends.py`'s `cached_lm(model)` picks the fast one when the architecture allows:
 
 - `CachedLM`: the transformers forward with a `DynamicCache`; rollback crops it (transformers
   5.x `crop` takes a negative count to remove). Hidden states entering chosen decoder layers
@@ -11,7 +11,7 @@ Both sides of speculative decoding hold one (batch 1). Two backends, one interfa
   buffers (rollback moves an index); several times less per-call overhead on small models.
 
 After any rollback the next-token logits equal a fresh full forward over the kept prefix
-(tests/test_models_kv.py checks both backends to 1e-4).
+(tests/models/test_models_kv.py checks both backends to 1e-4).
 """
 
 from __future__ import annotations
@@ -19,15 +19,25 @@ from __future__ import annotations
 import os
 import statistics
 import time
-
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules import module as _module
 
-from steerspec.models.layouts import (DEFAULT_ONEDNN_MIN_ROWS, ONEDNN_ENV, LayoutPlans, is_input_major, is_packable, linear as kernel_linear,
-                                      onednn_min_rows, out_major, out_major_rows, packed)
+from steerspec.models.layouts import (
+    DEFAULT_ONEDNN_MIN_ROWS,
+    ONEDNN_ENV,
+    LayoutPlans,
+    is_input_major,
+    is_packable,
+    onednn_min_rows,
+    out_major,
+    out_major_rows,
+    packed,
+)
+from steerspec.models.layouts import linear as kernel_linear
 from steerspec.models.loading import cache_kwarg
 
 TokenIds = Union[Sequence[int], Tensor]
@@ -51,6 +61,7 @@ class CachedLM:
     """One sequence (batch 1) and its KV cache over a Hugging Face causal LM."""
 
     def __init__(self, model) -> None:
+        # lazy: transformers takes seconds to import
         from transformers import DynamicCache
 
         self.model = model
@@ -380,7 +391,7 @@ class FastCachedLM(CachedLM):
 
     def extend_tree(self, ids: TokenIds, positions: Tensor, visible: Tensor,
                     hidden_layers: Optional[Sequence[int]] = None) -> StepOutput:
-        """Feed tree tokens after the cached slots (steerspec/trees.py): token i sits at position
+        """Feed tree tokens after the cached slots (steerspec/decoding/trees.py): token i sits at position
         `positions[i]` and attends where `visible` [n, length + n] is True (the committed prefix and
         its own ancestors, cached or fed in this call), not causally by slot."""
         return self._extend(ids, hidden_layers, 0, positions, visible)
@@ -431,8 +442,8 @@ class FastCachedLM(CachedLM):
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
         hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
         gqa = heads != kv_heads
-        linear, rms_norm = kernel_linear, _rms_norm
-        global_hooks = _has_global_hooks()
+        linear, rms_norm = kernel_linear, rms_normalize
+        global_hooks = has_global_hooks()
         up_bias = self.up_bias
         x = F.embedding(input_ids, self._embed)  # [1, n, D]
         plans, head = self.plans_for(n)
@@ -440,7 +451,7 @@ class FastCachedLM(CachedLM):
             if index in want:
                 captured[index] = x[0]
             plan = plans[index]
-            hooked, steering = (True, None) if global_hooks else _hook_state(plan[0])
+            hooked, steering = (True, None) if global_hooks else hook_state(plan[0])
             bias = None if up_bias is None else up_bias[index]
             if hooked:
                 attn = layer.self_attn
@@ -458,8 +469,8 @@ class FastCachedLM(CachedLM):
                 if plan[7] is not None:
                     q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             keys, values = self._keys[index], self._values[index]
             keys[:, :, start:end] = k
             values[:, :, start:end] = v
@@ -511,7 +522,7 @@ class FastCachedLM(CachedLM):
         self.length = 0
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_normalize(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm (float32 statistics, weight applied in the input dtype)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -520,7 +531,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def _hook_state(modules) -> Tuple[bool, object]:
+def hook_state(modules) -> Tuple[bool, object]:
     """(must run through the modules, SD² steering to apply on the fast path).
 
     Hooks tagged `steerspec_steering` (steerspec.steering.SteeringHooks on up_proj) do not force
@@ -540,24 +551,19 @@ def _hook_state(modules) -> Tuple[bool, object]:
     return False, steering
 
 
-def _has_global_hooks() -> bool:
-    from torch.nn.modules import module as _module
-
+def has_global_hooks() -> bool:
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-BACKENDS = ("auto", "fast", "hf", "graphed")
 
 
 def prepare_weight_copies(model) -> int:
     """Make now the weight copies that multi-row CPU passes of `model` read (models/layouts.py), and
     time its one-row layout, so that a server's first block does not pay for them (2-3 s for
-    SmolLM2-135M); call it on the thread that runs the passes (steerspec/compute.py: a second
+    SmolLM2-135M); call it on the thread that runs the passes (steerspec/serving/compute.py: a second
     computing thread slows every pass). Returns how many row-count plans were prepared (0 off the
     CPU, for other architectures or with the copies off)."""
     if model.device.type != "cpu" or not FastCachedLM.supports(model):
@@ -567,29 +573,3 @@ def prepare_weight_copies(model) -> int:
     for n in sorted(r for r in rows if r):
         lm.plans_for(n)
     return len(rows - {0})
-
-
-def cached_lm(model, backend: str = "auto") -> CachedLM:
-    """A KV-cached wrapper: `fast` (lean forward, growing cache), `graphed` (a slot of a shared
-    static cache, CUDA graphs on a GPU: steerspec/models/graphed.py), `hf` (transformers forward,
-    DynamicCache) or `auto` (graphed on CUDA, fast on a CPU, when the architecture qualifies;
-    STEERSPEC_GRAPHED=0 keeps auto at fast)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
-    if backend == "graphed" or (backend == "auto" and model.device.type == "cuda"
-                                and os.environ.get("STEERSPEC_GRAPHED", "1") != "0" and FastCachedLM.supports(model)):
-        if not FastCachedLM.supports(model):
-            raise ValueError(f"the graphed backend does not support {type(model).__name__}")
-        from steerspec.models.graphed import GraphedLM
-
-        return GraphedLM(model)
-    if backend == "fast" or (backend == "auto" and FastCachedLM.supports(model)):
-        if not FastCachedLM.supports(model):
-            raise ValueError(f"the fast backend does not support {type(model).__name__}")
-        return FastCachedLM(model)
-    return CachedLM(model)
-
-
-def as_cached(model_or_cached, backend: str = "auto") -> CachedLM:
-    """Wrap a model in a cached LM, or pass a CachedLM through."""
-    return model_or_cached if isinstance(model_or_cached, CachedLM) else cached_lm(model_or_cached, backend)

@@ -1,78 +1,26 @@
 """Load SwiGLU decoder checkpoints (Llama, Qwen2, Qwen3, Mistral) from local directories only.
 
-Bundled names (`verifier`, `pretrained` / `drafter`, `distilled`, `sd2`) resolve to the tiny pair
-shipped in `steerspec/assets/models/<name>/`. A hub id is refused: SteerSpec never downloads.
+Where a name points (bundled names, local directories; a hub id is refused) is `checkpoints.py`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
-from typing import Dict, Union
+from typing import Union
 
 import torch
 
 from steerspec.errors import UsageError
+from steerspec.models import draft_temperature, reduced
+from steerspec.models.checkpoints import resolve_model_dir
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-MODELS_DIR = ASSETS_DIR / "models"
-BUNDLED_NAMES = ("verifier", "pretrained", "distilled", "sd2")
-ALIASES = {"drafter": "pretrained"}
 SWIGLU_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def bundled_models() -> Dict[str, Path]:
-    """Bundled model names that are installed, mapped to their directories."""
-    return {n: MODELS_DIR / n for n in BUNDLED_NAMES if (MODELS_DIR / n / "config.json").is_file()}
-
-
-def model_dir_of(name_or_dir: Union[str, Path]) -> Path:
-    """A bundled drafter's directory from its name, else the path as given (never an error): where the
-    heads trained for it (policy_heads/, sprinter/) sit. The caller's own message names a bad one."""
-    path = Path(name_or_dir)
-    if path.exists():
-        return path
-    try:
-        return resolve_model_dir(name_or_dir)
-    except UsageError:
-        return path
-
-
-def resolve_model_dir(name_or_dir: Union[str, Path]) -> Path:
-    """A bundled name or a local checkpoint directory -> its directory; UsageError otherwise."""
-    text = str(name_or_dir).strip()
-    if not text:
-        raise UsageError("empty model name: pass a local checkpoint directory or a bundled name "
-                         f"({', '.join(BUNDLED_NAMES)})")
-    name = ALIASES.get(text, text)
-    if name == "smollm2" and not Path(text).exists():
-        from steerspec.models import smollm2
-
-        return smollm2.ensure_model_dir()
-    if name.startswith("smollm2-") and not Path(text).exists() and (MODELS_DIR / name / "config.json").is_file():
-        return MODELS_DIR / name
-    if name in BUNDLED_NAMES and not Path(text).exists():
-        path = MODELS_DIR / name
-        if not (path / "config.json").is_file():
-            raise UsageError(f"bundled model '{name}' is not installed at {path} "
-                             f"(it is made by `steerspec train`); pass a local directory instead")
-        return path
-    path = Path(text).expanduser()
-    if not path.exists():
-        looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-        if looks_like_hub:
-            raise UsageError(f"'{text}' looks like a Hugging Face hub id; SteerSpec loads local files only: "
-                             "download the checkpoint and pass its local directory")
-        raise UsageError(f"model directory not found: {text}; pass a local checkpoint directory or a "
-                         f"bundled name ({', '.join(BUNDLED_NAMES)})")
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise UsageError(f"{text} is not a checkpoint directory (no config.json); pass a local directory "
-                         "saved with save_pretrained")
-    return path.resolve()
-
-
-def _check_swiglu(path: Path) -> dict:
+def check_swiglu(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "?")
     act = config.get("hidden_act", "silu")
@@ -115,14 +63,14 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
     config carries a calibrated draft temperature (`models/draft_temperature.py`) has it folded into its
     head; `draft_temperature=False` gives the raw logits and drops the setting (training and calibration,
     whose output must be calibrated afresh)."""
+    # lazy: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_model_dir(name_or_dir)
-    _check_swiglu(path)
-    from steerspec.models import reduced
+    check_swiglu(path)
 
     if reduced.is_reduced_dir(path):
         model = reduced.load_reduced(path, dtype=torch_dtype).to(torch_device).eval()
@@ -144,8 +92,6 @@ def load_model(name_or_dir: Union[str, Path], dtype: Union[str, torch.dtype] = "
 
 def _draft_temperature(model, path: Path, apply: bool) -> None:
     """Fold the config's calibrated draft temperature into the head, or (apply=False) drop the setting."""
-    from steerspec.models import draft_temperature
-
     t = draft_temperature.configured(model.config)
     if t is None:
         return
@@ -182,6 +128,7 @@ def use_input_major_weights(model) -> int:
 
 def load_tokenizer(name_or_dir: Union[str, Path]):
     """The tokenizer saved beside a checkpoint (local files only)."""
+    # lazy: transformers takes seconds to import
     from transformers import AutoTokenizer
 
     path = resolve_model_dir(name_or_dir)
@@ -209,8 +156,6 @@ def eos_token_ids(model, tokenizer=None) -> tuple:
 def cache_kwarg(model) -> str:
     """The name `model.forward` takes its KV cache by: `cache` from transformers 5.2x (where
     `past_key_values` warns and is removed in 5.40), `past_key_values` before."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

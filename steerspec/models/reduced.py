@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence, Union
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from steerspec.models import draft_temperature
+from steerspec.models.checkpoints import resolve_model_dir
 
 REDUCED_KEY = "steerspec_reduced"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -65,8 +68,6 @@ def is_reduced_dir(path: Union[str, Path]) -> bool:
 
 def verifier_embedding(verifier_dir: Path) -> Tensor:
     """The verifier's input-embedding table, read from its safetensors without loading the model."""
-    from safetensors import safe_open
-
     for file in sorted(Path(verifier_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             if "model.embed_tokens.weight" in handle.keys():
@@ -76,6 +77,7 @@ def verifier_embedding(verifier_dir: Path) -> Tensor:
 
 def drafter_config(verifier_config: Dict, layers: int, support_size: int, verifier: str, init_layers: Sequence[int]):
     """The drafter's Llama config: the verifier's with `layers` layers and an untied reduced head."""
+    # lazy: transformers takes seconds to import
     from transformers import LlamaConfig
 
     data = {k: v for k, v in verifier_config.items() if k not in ("quantization_config", "_model_name_or_path")}
@@ -88,6 +90,7 @@ def drafter_config(verifier_config: Dict, layers: int, support_size: int, verifi
 def assemble(config, embedding: Tensor, support: Tensor, own_state: Optional[Dict[str, Tensor]] = None,
              dtype: torch.dtype = torch.float32):
     """A LlamaForCausalLM with the verifier's embedding, a ReducedHead and (optionally) its own weights."""
+    # lazy: transformers takes seconds to import
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -112,8 +115,6 @@ def own_state_dict(model) -> Dict[str, Tensor]:
 
 def init_from_verifier(verifier_dir: Path, verifier_name: str, support: Tensor, init_layers: Sequence[int]):
     """A fresh drafter: layers copied from the verifier's `init_layers`, its final norm, its embedding."""
-    from safetensors.torch import load_file
-
     verifier_dir = Path(verifier_dir)
     vconfig = json.loads((verifier_dir / "config.json").read_text())
     config = drafter_config(vconfig, len(init_layers), int(support.numel()), verifier_name, init_layers)
@@ -129,8 +130,6 @@ def init_from_verifier(verifier_dir: Path, verifier_name: str, support: Tensor, 
 
 def save_drafter(model, out: Path, dtype: torch.dtype = torch.float16, card: Optional[str] = None) -> Path:
     """Write config.json + drafter.safetensors (own params in `dtype`, the support as int32)."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in own_state_dict(model).items()}
@@ -149,14 +148,12 @@ def save_drafter(model, out: Path, dtype: torch.dtype = torch.float16, card: Opt
 
 def load_reduced(path: Path, dtype: torch.dtype = torch.float32, verifier_dir: Optional[Path] = None):
     """Load a reduced drafter directory, reading the shared tables from its verifier."""
-    from safetensors.torch import load_file
+    # lazy: transformers takes seconds to import
     from transformers import GenerationConfig, LlamaConfig
 
     path = Path(path)
     data = json.loads((path / "config.json").read_text())
     if verifier_dir is None:
-        from steerspec.models.loading import resolve_model_dir
-
         verifier_dir = resolve_model_dir(data[REDUCED_KEY]["verifier"])
     tensors = load_file(str(path / WEIGHTS_NAME))
     support = tensors.pop("support").to(torch.long)

@@ -12,8 +12,12 @@ import json
 import os
 import shutil
 import tempfile
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 from typing import Dict, Optional
+
+import torch
+from filelock import FileLock
 
 from steerspec.errors import UsageError
 
@@ -47,7 +51,6 @@ def find_gguf() -> Optional[Path]:
         path = Path(os.environ[GGUF_ENV]).expanduser()
         return path if path.is_file() else None
     try:
-        from importlib.metadata import PackageNotFoundError, distribution
         dist = distribution(PACKAGE)
     except PackageNotFoundError:
         return None
@@ -57,7 +60,6 @@ def find_gguf() -> Optional[Path]:
 
 def package_version() -> Optional[str]:
     try:
-        from importlib.metadata import PackageNotFoundError, version
         return version(PACKAGE)
     except PackageNotFoundError:
         return None
@@ -96,8 +98,13 @@ def eos_ids(tokenizer) -> list:
 
 def convert(gguf_path: Path, out: Path) -> None:
     """Dequantise the GGUF into a plain fp32 LlamaForCausalLM directory `out` (with its tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    # lazy: transformers takes seconds to import
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -139,7 +146,6 @@ def ensure_model_dir() -> Path:
         import gguf  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"the verifier '{NAME}' needs the package gguf to convert its file: {INSTALL_HINT}") from exc
-    from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock", timeout=600):

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
-from steerspec.policies.registry import Key, register
+from steerspec.policies.catalog import Key, register
 
 
 def entropy_lower_bound(probs: torch.Tensor, gamma: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from steerspec.policies.base import PolicyBase, check_k
-from steerspec.policies.registry import Key, register
+from steerspec.policies.catalog import Key, register
 
 
 @register("fixed", {"k": Key(int, 8, "tokens per block")}, doc="standard speculative decoding")

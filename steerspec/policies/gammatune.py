@@ -18,7 +18,7 @@ import math
 from typing import Any, Dict, Optional
 
 from steerspec.policies.base import MAX_K, BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
-from steerspec.policies.registry import Key, register
+from steerspec.policies.catalog import Key, register
 
 _KEYS = {
     "k": Key(int, 5, "initial γ"),

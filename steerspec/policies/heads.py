@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
+
+from steerspec.models.checkpoints import model_dir_of
 
 HEADS_DIR = "policy_heads"
 
@@ -61,8 +65,6 @@ KINDS = {"specdecpp": SpecDecHead, "pacer": PacerLayer}
 def head_path(kind: str, drafter_dir: Optional[str]) -> Path:
     """Where a drafter's head of this kind lives: <drafter_dir>/policy_heads/<kind>.safetensors (a bundled
     drafter's name resolved to its directory)."""
-    from steerspec.models.loading import model_dir_of
-
     if not drafter_dir:
         raise FileNotFoundError(f"{kind} needs a trained head: give head=PATH or a drafter directory "
                                 f"(train one with `steerspec train {kind}`)")
@@ -71,8 +73,6 @@ def head_path(kind: str, drafter_dir: Optional[str]) -> Path:
 
 def save_head(path: os.PathLike, kind: str, module: nn.Module, config: Dict[str, Any], meta: Dict[str, Any]) -> None:
     """Write a head as safetensors (fp16 weights, small; kind, config and meta in its JSON header)."""
-    from safetensors.torch import save_file
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(path), metadata={"kind": kind, "hidden_size": str(int(config["hidden_size"])),
@@ -96,7 +96,6 @@ def load_head_and_meta(kind: str, path: os.PathLike, hidden_size: Optional[int],
     if not path.is_file():
         raise FileNotFoundError(f"no {kind} head at {path}; train one with `steerspec train {kind} "
                                 f"--drafter DIR` or give head=PATH")
-    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:

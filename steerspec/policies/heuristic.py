@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from steerspec.policies.base import MAX_K, BlockFeedback, PolicyBase, check_k
-from steerspec.policies.registry import Key, register
+from steerspec.policies.catalog import Key, register
 
 
 @register("heuristic", {"k": Key(int, 5, "initial tokens per block"), "max": Key(int, MAX_K, "cap on k")},

@@ -44,8 +44,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.catalog import Key, register
 from steerspec.policies.costline import CostLine
-from steerspec.policies.registry import Key, register
 
 FIRST_K = 4
 EXPLORE_BLOCKS = 4

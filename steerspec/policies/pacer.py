@@ -19,9 +19,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from steerspec.policies.base import BlockFeedback, DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.catalog import Key, register
 from steerspec.policies.heads import context_hidden_size, head_path, load_head_and_meta
-from steerspec.policies.registry import Key, register
-
 
 TABLE10 = {"b": 4, "t": 0.7, "rho": 1.05}
 

@@ -3,71 +3,26 @@
 The CLI (`--policy`), the SDK (`policy=`), `GenerateRequest.policy`, `serve drafter|coordinator
 --policy` and the Ray deployment all go through `make_policy(spec)`. An unknown name or key, or a
 value of the wrong type, raises `PolicyError` (a ValueError) whose one-line message lists what is
-known, so a CLI can exit 2 with it and a server can answer INVALID_ARGUMENT.
+known, so a CLI can exit 2 with it and a server can answer INVALID_ARGUMENT. A policy registers itself
+with `@register` (`catalog.py`, re-exported here for policies outside the package).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+from steerspec.policies import adaedl, fixed, gammatune, heuristic, latency, pacer, specdecpp, threshold  # noqa: F401  (the bundled policies register themselves)
 from steerspec.policies.base import DraftLengthPolicy
+from steerspec.policies.catalog import Key, PolicyContext, PolicyEntry, PolicyError, register, registered
 
-
-class PolicyError(ValueError):
-    """A policy spec that cannot be built; the message says what would work."""
-
-
-@dataclass(frozen=True)
-class PolicyContext:
-    """What trained policies need to find their heads: the drafter's directory, model and device."""
-
-    drafter_dir: Optional[str] = None
-    drafter: Any = None
-    hidden_size: Optional[int] = None
-    device: str = "cpu"
-
-
-@dataclass(frozen=True)
-class Key:
-    """One parameter of a policy: its type, default and a short description."""
-
-    type: type
-    default: Any
-    doc: str = ""
-
-
-@dataclass(frozen=True)
-class PolicyEntry:
-    """A registered policy: its factory (keyword parameters plus `context`) and its keys."""
-
-    name: str
-    factory: Callable[..., DraftLengthPolicy]
-    keys: Dict[str, Key] = field(default_factory=dict)
-    doc: str = ""
-    length_keys: Tuple[str, ...] = ("k",)  # keys whose largest value bounds a block's length
-
-
-_REGISTRY: Dict[str, PolicyEntry] = {}
-
-
-def register(name: str, keys: Dict[str, Key], doc: str = "", length_keys: Tuple[str, ...] = ("k",)) -> Callable:
-    """Class decorator: register a policy under `name` with its keys (factory(**params, context=));
-    `length_keys` name the keys whose largest value is the most tokens one block can hold."""
-
-    def wrap(factory: Callable) -> Callable:
-        _REGISTRY[name] = PolicyEntry(name, factory, dict(keys), doc, tuple(length_keys))
-        return factory
-
-    return wrap
+__all__ = ["Key", "PolicyContext", "PolicyEntry", "PolicyError", "describe", "known_policies", "make_policy",
+           "max_block", "parse_spec", "register", "split_specs"]
 
 
 def known_policies() -> Dict[str, PolicyEntry]:
-    """Every registered policy, by name (importing the bundled policy modules first)."""
-    import steerspec.policies  # noqa: F401  (registers the bundled policies)
-
-    return dict(_REGISTRY)
+    """Every registered policy, by name: the bundled ones (imported above) and any a user registered."""
+    return registered()
 
 
 def _convert(name: str, key: str, spec: Key, raw: str) -> Any:
@@ -124,7 +79,7 @@ def max_block(spec: str) -> int:
     """The most draft tokens one block of the policy a spec names can hold (its `max_k`), read from
     the spec without building the policy (no trained head needed): what a service reserves per block."""
     name, params = parse_spec(spec)
-    entry = _REGISTRY[name]
+    entry = registered()[name]
     values = [params.get(key, entry.keys[key].default) for key in entry.length_keys]
     return max(int(v) for v in values)
 
@@ -132,7 +87,7 @@ def max_block(spec: str) -> int:
 def make_policy(spec: str, context: Optional[PolicyContext] = None) -> DraftLengthPolicy:
     """Build the policy a spec names; any value the policy refuses becomes a PolicyError too."""
     name, params = parse_spec(spec)
-    entry = _REGISTRY[name]
+    entry = registered()[name]
     try:
         return entry.factory(**params, context=context or PolicyContext())
     except PolicyError:

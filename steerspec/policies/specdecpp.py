@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 
 from steerspec.policies.base import DraftStep, PolicyBase, check_k, check_open_unit
+from steerspec.policies.catalog import Key, register
 from steerspec.policies.heads import context_hidden_size, head_path, load_head
-from steerspec.policies.registry import Key, register
 
 
 @register("specdecpp", {"h": Key(float, 0.7, "stop when P(block holds a rejection) > h"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from steerspec.policies.base import DraftStep, PolicyBase, check_k, check_open_unit
-from steerspec.policies.registry import Key, register
+from steerspec.policies.catalog import Key, register
 
 
 @register("threshold", {"p": Key(float, 0.4, "stop below this top probability"),

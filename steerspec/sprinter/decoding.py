@@ -21,15 +21,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from steerspec import rounds
-from steerspec.engine import DecodeConfig, DrafterSteering, RoundOut, RoundRecord, _check_prompt, run_rounds
-from steerspec.rounds import BlockStats, make_generators
-from steerspec.metrics import GenerationResult
-from steerspec.models.kv import CachedLM, as_cached
-from steerspec.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
-from steerspec.speculative import DraftBlock, greedy_verify, rejection_sample
+from steerspec.decoding import rounds
+from steerspec.decoding.engine import DecodeConfig, DrafterSteering, RoundOut, RoundRecord, check_prompt, run_rounds
+from steerspec.decoding.generation_result import GenerationResult
+from steerspec.decoding.rounds import BlockStats, make_generators
+from steerspec.decoding.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
+from steerspec.decoding.speculative import DraftBlock, greedy_verify, rejection_sample
+from steerspec.models.backends import as_cached
+from steerspec.models.kv import CachedLM
 from steerspec.sprinter import features as F
-from steerspec.sprinter.head import SprinterHead
+from steerspec.sprinter.classifier import SprinterHead
 from steerspec.sprinter.labels import SprinterTally, label_run, theory_line
 from steerspec.sprinter.spec import DEFAULT_MAX_RUN
 
@@ -183,7 +184,7 @@ def sprinter_generate(
     if max_run < 1:
         raise ValueError(f"sprinter max_run must be >= 1, got {max_run}")
     verifier, drafter = as_cached(verifier), as_cached(drafter)
-    prompt = _check_prompt(prompt_ids, config)
+    prompt = check_prompt(prompt_ids, config)
     scorer = SprinterScorer(head, drafter)
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
     result = SprinterResult(token_ids=[], prompt_tokens=len(prompt), threshold=threshold, max_run=max_run, lam=lam)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from steerspec.speculative import DraftBlock
+from steerspec.decoding.speculative import DraftBlock
 from steerspec.sprinter import features as F
 from steerspec.sprinter import theory
 

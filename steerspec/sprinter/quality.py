@@ -18,7 +18,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from steerspec.sampling import SamplingParams, probs_from_logits
+from steerspec.decoding.sampling import SamplingParams, probs_from_logits
 
 Z95 = 1.959964  # two-sided 95% normal quantile
 

@@ -1,6 +1,6 @@
 """The `--verification` grammar: `exact` (default, lossless; token-wise acceptance), `block` (lossless; block
-verification of chains, steerspec/block_verify.py, and traversal verification of draft trees,
-steerspec/traversal.py) or `sprinter[:threshold=T,max_run=N]` (lossy)."""
+verification of chains, steerspec/decoding/block_verify.py, and traversal verification of draft trees,
+steerspec/decoding/traversal.py) or `sprinter[:threshold=T,max_run=N]` (lossy)."""
 
 from __future__ import annotations
 

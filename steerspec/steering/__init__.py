@@ -1,7 +1,12 @@
 """SD² steering: the verifier's steering head W_hml, the drafter's W_s retrofit, and their checkpoints."""
 
-from steerspec.steering.drafter import DrafterSteering, SteeringHooks, attach_steering, drafter_shape, find_up_projections
-from steerspec.steering.head import SteeringHead, vector_from_bytes, vector_to_bytes
+from steerspec.steering.drafter import (
+    DrafterSteering,
+    SteeringHooks,
+    attach_steering,
+    drafter_shape,
+    find_up_projections,
+)
 from steerspec.steering.io import (
     SteeringConfig,
     SteeringWeights,
@@ -12,6 +17,7 @@ from steerspec.steering.io import (
     save_steering,
 )
 from steerspec.steering.layers import default_layers, parse_layers
+from steerspec.steering.verifier_head import SteeringHead, vector_from_bytes, vector_to_bytes
 
 __all__ = [
     "DrafterSteering",

@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from steerspec.models.checkpoints import resolve_model_dir
 from steerspec.steering.drafter import DrafterSteering
-from steerspec.steering.head import SteeringHead
+from steerspec.steering.verifier_head import SteeringHead
 
 WEIGHTS_FILE = "steering.safetensors"
 CONFIG_FILE = "steering.json"
@@ -71,6 +72,12 @@ def has_steering(directory: PathLike) -> bool:
     """True when `directory` holds steering weights (an SD² drafter checkpoint)."""
     d = Path(directory)
     return (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file()
+
+
+def steering_dir(drafter) -> Optional[str]:
+    """The drafter's checkpoint directory when it carries SD² steering weights, else None."""
+    path = resolve_model_dir(str(drafter))
+    return str(path) if has_steering(path) else None
 
 
 def save_steering(

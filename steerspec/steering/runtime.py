@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from steerspec.steering.drafter import SteeringHooks
-from steerspec.steering.head import SteeringHead, vector_from_bytes, vector_to_bytes
 from steerspec.steering.io import SteeringWeights, has_steering, load_steering
+from steerspec.steering.verifier_head import SteeringHead, vector_from_bytes, vector_to_bytes
 
 
 def steering_vector(head: SteeringHead, hidden: Tensor) -> Tensor:
@@ -29,7 +29,7 @@ def steering_vector(head: SteeringHead, hidden: Tensor) -> Tensor:
 
 
 class SD2Steering:
-    """Engine hook (steerspec.engine.DrafterSteering) for an SD² drafter, both sides in one process.
+    """Engine hook (steerspec.decoding.engine.DrafterSteering) for an SD² drafter, both sides in one process.
 
     `drafter` is the CachedLM the engine decodes with (or a bare model): its cache length tells the
     first block (empty cache, prompt prefill) from the others. Timings of the steering work are

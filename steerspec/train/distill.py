@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from steerspec.errors import UsageError
-from steerspec.train import _common as common
+from steerspec.models import reduced
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import load_model, resolve_device
+from steerspec.models.reduced import MASKED_LOGIT, freeze_shared
+from steerspec.steering.drafter import SteeringHooks
+from steerspec.steering.io import save_drafter_checkpoint, save_steering
+from steerspec.train import common
 from steerspec.train.synth import SyntheticSet, load_synthetic
 
 CHECKPOINT = "checkpoint.pt"
@@ -68,8 +74,6 @@ def forward_kl(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> Tuple[Tensor
     Σ_v min(p, q) = 1 − TV(p, q) is the expected acceptance of a draft token from q under p. Tokens
     a reduced-vocabulary drafter masks out (q = 0) are left out of the KL, which would be infinite.
     """
-    from steerspec.models.reduced import MASKED_LOGIT
-
     logp = F.log_softmax(p_logits.float(), dim=-1)
     logq = F.log_softmax(q_logits.float(), dim=-1)
     p = logp.exp()
@@ -87,8 +91,6 @@ def top_k_kl(top_ids: Tensor, top_logp: Tensor, q_logits: Tensor, mask: Tensor,
     code, carries no loss); both equal `forward_kl`'s when K covers the vocabulary. `q_logits` may
     cover only a drafter's support, with `column[v]` the column of token v (−1: off the support).
     """
-    from steerspec.models.reduced import MASKED_LOGIT
-
     ids = top_ids.long()
     if column is None:  # a full-vocabulary row: tokens a reduced drafter masks out are off its support
         cols = ids.masked_fill(q_logits.gather(-1, ids) <= MASKED_LOGIT / 2, -1)
@@ -351,10 +353,6 @@ def evaluate(bundle: DrafterBundle, hooks, verifier, data: SyntheticSet, cfg: Tr
 def train(bundle: DrafterBundle, verifier, data: SyntheticSet, cfg: TrainConfig, out: Path, pad_id: int,
           resume: bool = True, log=print) -> Dict:
     """The whole loop: returns a report dict (losses, times); `out/checkpoint.pt` makes it resumable."""
-    from steerspec.steering.drafter import SteeringHooks
-
-    from steerspec.models.reduced import freeze_shared
-
     common.seed_everything(cfg.seed)
     if data.teacher is None and verifier is None:
         raise UsageError("the synthetic data caches no verifier outputs, so training needs the verifier")
@@ -529,9 +527,9 @@ def load_pair(args, data: SyntheticSet):
     """(verifier or None, verifier config, drafter, drafter_dir, verifier_dir) as float32 on --device.
 
     The verifier itself is loaded only when `data` caches none of its outputs."""
+    # lazy: transformers takes seconds to import
     from transformers import AutoConfig
 
-    from steerspec.models.loading import load_model, resolve_device, resolve_model_dir
 
     device = resolve_device(getattr(args, "device", "cpu"))
     vdir, ddir = resolve_model_dir(args.verifier), resolve_model_dir(args.drafter)
@@ -583,9 +581,6 @@ def model_card(title: str, report: Dict, command: str, description: str) -> str:
 
 
 def finish(args, report: Dict, bundle: DrafterBundle, ddir: Path, vdir: Path, vconfig, title: str, description: str) -> None:
-    from steerspec.models import reduced
-    from steerspec.steering.io import save_drafter_checkpoint, save_steering
-
     out: Path = args.out
     bundle.to("cpu")  # saved from host memory
     weights = vdir / "model.safetensors"

@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from steerspec.decoding.engine import draft_block
+from steerspec.decoding.rounds import DecodeConfig
+
 B_GRID = (1, 2, 3, 4)
 T_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 .. 0.95
 RHO_GRID = (1.0, 1.05, 1.1, 1.2)
@@ -184,9 +187,6 @@ def measure_costs(verifier, drafter, prompt: Sequence[int], repeats: int = 9,
     of every 1..`tokens` tokens after `prompt` (CachedLMs; the counts interleaved, then made
     non-decreasing; v0 + v1·t through the 1- and `tokens`-token passes), and one call of `stop_head` (a
     policy's head) if given; no network (add one per RTT with `dataclasses.replace(cost, rtt_ms=...)`)."""
-    from steerspec.engine import draft_block
-    from steerspec.rounds import DecodeConfig
-
     prompt = list(prompt)
     for lm in (verifier, drafter):
         lm.reset()

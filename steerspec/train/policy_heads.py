@@ -27,8 +27,18 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from steerspec.data.corpus import stdlib_split
+from steerspec.data.evalsets import code_prompts
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate
 from steerspec.errors import UsageError, float_list
-from steerspec.train import _common as common
+from steerspec.models import cached_lm, load_model, load_tokenizer, resolve_model_dir
+from steerspec.policies.heads import HEADS_DIR, build_head, save_head
+from steerspec.sprinter.features import roc_auc
+from steerspec.steering.io import has_steering
+from steerspec.steering.runtime import maybe_steering
+from steerspec.train import common
+from steerspec.train.common import load_checkpoint, progress, save_checkpoint, seed_everything
+from steerspec.train.pacer_tune import decoding_chains, measure_costs, tune
 
 MODEL_CARD = """# {kind} head for drafter `{drafter}` (verifier `{verifier}`)
 
@@ -66,9 +76,6 @@ def tune_pacer(layer, trajectory, verifier, drafter, args) -> Optional[Dict[str,
     """Pacer's (b, t, rho) for this head: greedy decoding of the held-out prompts replayed on `trajectory`
     (blocks labelled at every answer position) under the pair's measured costs (None without blocks:
     the policy then keeps Table 10's values)."""
-    from steerspec.models import cached_lm
-    from steerspec.train.pacer_tune import decoding_chains, measure_costs, tune
-
     if len(trajectory["label"]) == 0:
         return None
     with torch.no_grad():
@@ -135,9 +142,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def training_prompts(tokenizer, count: int, seed: int) -> List[List[int]]:
     """`count` seeded header prompts from the stdlib training split (never the eval files)."""
-    from steerspec.data.corpus import stdlib_split
-    from steerspec.data.evalsets import code_prompts
-
     split = stdlib_split()
     files = sorted(split.train)
     random.Random(seed).shuffle(files)
@@ -163,11 +167,6 @@ def label_blocks(verifier, drafter, prompts: List[List[int]], args, desc: str,
     prefix context [B, C, D] (zero-padded on the left) and its mask [B, C]; prompt index [B].
     An SD² drafter (steering weights in `drafter_dir`) drafts each block steered by the verifier's
     vector at that block's start, as in decoding, so the head sees the states it will see."""
-    from steerspec.engine import DecodeConfig, autoregressive_generate
-    from steerspec.models import cached_lm
-    from steerspec.steering.runtime import maybe_steering
-    from steerspec.train._common import progress
-
     v, d = cached_lm(verifier), cached_lm(drafter)
     steer = maybe_steering(d, drafter_dir, device=d.device)
     final = [d.num_layers]
@@ -262,8 +261,6 @@ def _subset(data, idx):
 
 
 def fit(kind: str, head, data, args, work: Path, resume: bool) -> List[float]:
-    from steerspec.train._common import load_checkpoint, progress, save_checkpoint
-
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = work / f"checkpoint-{kind}.pt"
@@ -298,8 +295,6 @@ def fit(kind: str, head, data, args, work: Path, resume: bool) -> List[float]:
 @torch.no_grad()
 def evaluate(kind: str, head, data) -> Dict[str, float]:
     """Weighted-token accuracy at 0.5 and ROC AUC of the head's positive class."""
-    from steerspec.sprinter.features import roc_auc
-
     scores, targets = [], []
     n = data["label"].shape[0]
     for i in range(0, n, 256):
@@ -315,11 +310,6 @@ def evaluate(kind: str, head, data) -> Dict[str, float]:
 
 
 def run_kind(kind: str, args: argparse.Namespace) -> int:
-    from steerspec.models import load_model, load_tokenizer, resolve_model_dir
-    from steerspec.policies.heads import HEADS_DIR, build_head, save_head
-    from steerspec.steering.io import has_steering
-    from steerspec.train._common import seed_everything
-
     if args.gamma < 2 or args.prompts < 4 or args.stride < 1 or args.epochs < 1:
         raise UsageError("need --gamma >= 2, --prompts >= 4, --stride >= 1, --epochs >= 1")
     args.tune_rtts = float_list(args.tune_rtt_ms, "--tune-rtt-ms", nonnegative=True)

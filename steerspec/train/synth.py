@@ -26,8 +26,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from steerspec.data import corpus, evalsets
 from steerspec.errors import UsageError
-from steerspec.train._common import add_device_argument
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.loading import cache_kwarg, load_model, load_tokenizer, resolve_device
+from steerspec.steering import parse_layers
+from steerspec.train.common import add_device_argument, progress
 
 SHARD_GLOB = "shard_*.safetensors"
 META_FILE = "meta.json"
@@ -157,9 +161,9 @@ def sample_answers(
     With `record` (an empty list) and `top_k`, appends one TeacherRecord per prompt, with taps
     when `tap_layers` are given.
     """
+    # lazy: transformers takes seconds to import
     from transformers import DynamicCache
 
-    from steerspec.models.loading import cache_kwarg
 
     device = next(model.parameters()).device
     batch = len(prompts)
@@ -234,8 +238,6 @@ def corpus_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int, spl
     first lines, ending at a line end), taken here from training files; when those run out, token
     windows starting at random line starts fill up. Lengths are clipped to [min_len, max_len].
     """
-    from steerspec.data import corpus, evalsets
-
     split = corpus.stdlib_split(seed=split_seed) if split_seed is not None else corpus.stdlib_split()
     files = list(split.train)
     if not files:
@@ -302,8 +304,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from steerspec.models.loading import load_model, load_tokenizer, resolve_device, resolve_model_dir
-
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--samples, --batch-size and --max-new-tokens must be at least 1")
     if not 1 <= args.prompt_min <= args.prompt_max:
@@ -326,8 +326,6 @@ def run(args) -> int:
     ctx = int(getattr(model.config, "max_position_embeddings", 512))
     tap_layers = None
     if args.teacher_top_k:
-        from steerspec.steering import parse_layers
-
         tap_layers = list(parse_layers(args.tap_layers, int(model.config.num_hidden_layers)))
     if args.prompt_max + args.max_new_tokens > ctx:
         raise UsageError(f"--prompt-max + --max-new-tokens must fit the verifier's context of {ctx} tokens")
@@ -359,7 +357,6 @@ def run(args) -> int:
     shards = [(i, b) for i, b in shards if i % workers == worker]
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
-    from steerspec.train._common import progress
 
     # shards holds (index, batch) pairs of this worker only: count finished ones by their index, not position
     done = sum(len(b) for i, b in shards if (out / f"shard_{i:05d}.safetensors").is_file())

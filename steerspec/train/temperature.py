@@ -13,13 +13,36 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
+from torch import Tensor
 
+from steerspec.decoding.sampling import draft_distribution
 from steerspec.errors import UsageError
+from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.draft_temperature import CONFIG_KEY, check
+from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer
+from steerspec.observability.run_record import command_line
+from steerspec.steering.runtime import maybe_steering
+from steerspec.train.common import progress
+from steerspec.train.synth import corpus_prompts
+from steerspec.train.teacher_forcing import teacher_forced, verifier_answer
 
 REPORT_NAME = "draft_temperature.json"
+
+
+def acceptance_by_temperature(p: Tensor, logits: Tensor, temperatures: Sequence[float],
+                              top_k: int) -> Dict[float, Tensor]:
+    """Per position [N], for each t: Σ min(p, q_t) where q_t is what decoding proposes from logits / t
+    (its top `top_k` plus the spread tail, `sampling.draft_distribution`); p [N, V] probabilities,
+    logits [N, V] the drafter's raw logits."""
+    vocab = logits.shape[-1]
+    out: Dict[float, Tensor] = {}
+    for t in temperatures:
+        q = draft_distribution((logits.float() / float(t)).softmax(-1), top_k).to_dense(vocab)
+        out[float(t)] = torch.minimum(p.float(), q).sum(-1)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_grid(text: str) -> List[float]:
     """The sorted temperatures of --grid, 1.0 included; UsageError naming a bad one."""
-    from steerspec.models.draft_temperature import check
-
     try:
         grid = {check(float(x)) for x in text.split(",") if x.strip()}
     except ValueError as exc:
@@ -50,10 +71,6 @@ def parse_grid(text: str) -> List[float]:
 
 def verifier_answers(verifier, tok, n: int, max_new_tokens: int, seed: int) -> List[tuple]:
     """(prompt ids, prompt + answer ids) for `n` train-split prompts, answered by the verifier at T=1."""
-    from steerspec.bench.overlap import verifier_answer
-    from steerspec.models.loading import context_length, eos_token_ids
-    from steerspec.train.synth import corpus_prompts
-
     prompts = corpus_prompts(tok, n, 16, 96, seed=seed)
     eos, max_len = eos_token_ids(verifier, tok), context_length(verifier)
     return [(ids, verifier_answer(verifier, ids, max_new_tokens, seed * 1_000_003 + i, eos, max_len))
@@ -62,10 +79,6 @@ def verifier_answers(verifier, tok, n: int, max_new_tokens: int, seed: int) -> L
 
 def calibrate(verifier, drafter, steering, pairs, grid: List[float], top_k: int, k: int) -> Dict[float, float]:
     """Mean Σ min(p, q_t) over every answer position of `pairs`, per temperature t of `grid`."""
-    from steerspec.bench.overlap import teacher_forced
-    from steerspec.models.draft_temperature import acceptance_by_temperature
-    from steerspec.train._common import progress
-
     sums = {t: 0.0 for t in grid}
     count = 0
     bar = progress(total=len(pairs), desc="calibrate")
@@ -84,8 +97,6 @@ def calibrate(verifier, drafter, steering, pairs, grid: List[float], top_k: int,
 
 def write_config(drafter_dir: Path, temperature: float) -> None:
     """Set the draft temperature in `drafter_dir`/config.json, keeping every other key as it was."""
-    from steerspec.models.draft_temperature import CONFIG_KEY
-
     path = drafter_dir / "config.json"
     config = json.loads(path.read_text())
     config[CONFIG_KEY] = temperature
@@ -122,10 +133,6 @@ def write_card(drafter_dir: Path, report: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from steerspec.cli._dispatch import command_line
-    from steerspec.models.loading import load_model, load_tokenizer, resolve_model_dir
-    from steerspec.steering.runtime import maybe_steering
-
     if args.prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.k <= 64 or args.draft_top_k < 1:
         raise UsageError("need --prompts >= 1, --max-new-tokens >= 1, --k in [1, 64] and --draft-top-k >= 1")
     grid = parse_grid(args.grid)

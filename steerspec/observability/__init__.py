@@ -1,0 +1,2 @@
+"""Seeing a deployment work: OpenTelemetry tracing and trace summaries, Prometheus metrics of the loop and the
+services, and the record a benchmark's JSON carries."""
