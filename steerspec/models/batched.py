@@ -49,8 +49,8 @@ def can_batch(lms: Sequence[CachedLM]) -> bool:
     model = lms[0].model
     if any(lm.model is not model for lm in lms) or has_global_hooks():
         return False
-    for plan in lms[0]._plans:
-        hooked, steering = hook_state(plan[0])
+    for plan in lms[0].layer_plans:
+        hooked, steering = hook_state(plan.modules)
         if hooked or (steering is not None and steering.active):
             return False
     return True
@@ -132,12 +132,12 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
     for index, plan in enumerate(plans):
         if index in layers:
             captured[index] = x
-        h = rms_norm(x, *plan[1])
-        q = linear(h, *plan[3]).view(total, heads, hd)
-        k = linear(h, *plan[4]).view(total, kv_heads, hd)
-        v = linear(h, *plan[5]).view(total, kv_heads, hd)
-        if plan[7] is not None:
-            q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+        h = rms_norm(x, *plan.input_norm)
+        q = linear(h, *plan.q).view(total, heads, hd)
+        k = linear(h, *plan.k).view(total, kv_heads, hd)
+        v = linear(h, *plan.v).view(total, kv_heads, hd)
+        if plan.q_norm is not None:
+            q, k = rms_norm(q, *plan.q_norm), rms_norm(k, *plan.k_norm)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         outs = []
@@ -149,12 +149,12 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
             o = sdpa(q[lo:hi].transpose(0, 1).unsqueeze(0), keys[:, :, :end], values[:, :, :end],
                      attn_mask=masks[row], scale=first.scaling, enable_gqa=gqa)  # [1, H, n, hd]
             outs.append(o[0].transpose(0, 1).reshape(hi - lo, heads * hd))
-        x = x + linear(torch.cat(outs), *plan[6])
-        h = rms_norm(x, *plan[2])
-        up = linear(h, *plan[10])
+        x = x + linear(torch.cat(outs), *plan.o)
+        h = rms_norm(x, *plan.post_attention_norm)
+        up = linear(h, *plan.up)
         if biases is not None and biases[index] is not None:  # one row per token already when every n_i = 1
             up = up + (biases[index] if total == len(lms) else biases[index].repeat_interleave(repeat, dim=0))
-        x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+        x = x + linear(F.silu(linear(h, *plan.gate)) * up, *plan.down)
     for lm, start, n in zip(lms, starts, counts):  # only now: a failed pass leaves every cache as it was
         lm.length = start + n
     normed = rms_norm(x, *first._final_norm)

@@ -68,7 +68,7 @@ class StaticKVPool:
             cos, sin = probe.decoder.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0], sin[0]
         self.key_positions = torch.arange(self.capacity, device=self.device)
-        self.intermediate = int(probe._plans[0][10][0].shape[0])
+        self.intermediate = int(probe.layer_plans[0].up[0].shape[0])
         self._free = list(range(self.slots - 1, -1, -1))
         self._lock = threading.Lock()
         self.use_graphs = self.device.type == "cuda" and os.environ.get("STEERSPEC_CUDA_GRAPHS", "1") != "0"
@@ -153,15 +153,15 @@ def static_forward(pool: StaticKVPool, tokens: Tensor, slots: Tensor, starts: Te
     linear, rms_norm = F.linear, rms_normalize
     captured: Dict[int, Tensor] = {}
     x = F.embedding(tokens, lm._embed)  # [B, n, D]
-    for index, plan in enumerate(lm._plans):
+    for index, plan in enumerate(lm.layer_plans):
         if index in hidden_layers:
             captured[index] = x
-        h = rms_norm(x, *plan[1])
-        q = linear(h, *plan[3]).view(batch, n, heads, hd)
-        k = linear(h, *plan[4]).view(batch, n, kv_heads, hd)
-        v = linear(h, *plan[5]).view(batch, n, kv_heads, hd)
-        if plan[7] is not None:
-            q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+        h = rms_norm(x, *plan.input_norm)
+        q = linear(h, *plan.q).view(batch, n, heads, hd)
+        k = linear(h, *plan.k).view(batch, n, kv_heads, hd)
+        v = linear(h, *plan.v).view(batch, n, kv_heads, hd)
+        if plan.q_norm is not None:
+            q, k = rms_norm(q, *plan.q_norm), rms_norm(k, *plan.k_norm)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -170,12 +170,12 @@ def static_forward(pool: StaticKVPool, tokens: Tensor, slots: Tensor, starts: Te
         values.index_put_((rows, positions), v)
         o = F.scaled_dot_product_attention(q, keys[slots].transpose(1, 2), values[slots].transpose(1, 2),
                                            attn_mask=mask, scale=lm.scaling, enable_gqa=heads != kv_heads)
-        x = x + linear(o.transpose(1, 2).reshape(batch, n, heads * hd), *plan[6])
-        h = rms_norm(x, *plan[2])
-        up = linear(h, *plan[10])
+        x = x + linear(o.transpose(1, 2).reshape(batch, n, heads * hd), *plan.o)
+        h = rms_norm(x, *plan.post_attention_norm)
+        up = linear(h, *plan.up)
         if bias is not None:
             up = up + bias[index].unsqueeze(1)
-        x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+        x = x + linear(F.silu(linear(h, *plan.gate)) * up, *plan.down)
     logits = linear(rms_norm(x, *lm._final_norm), *lm._head)
     hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
     return logits, hidden
@@ -244,9 +244,9 @@ class GraphedLM(FastCachedLM):
         if cached is not None and cached[0] == RemovableHandle.next_id and all(len(d) == k for d, k in cached[3]):
             return cached[1], cached[2]
         foreign, owners, seen = False, [], []
-        for plan in self._plans:
+        for plan in self.layer_plans:
             owner = None
-            for m in plan[0]:
+            for m in plan.modules:
                 for hooks in (m._forward_pre_hooks, m._forward_hooks):
                     if hooks:
                         seen.append((hooks, len(hooks)))

@@ -29,6 +29,7 @@ from torch.nn.modules import module as _module
 from steerspec.models.layouts import (
     DEFAULT_ONEDNN_MIN_ROWS,
     ONEDNN_ENV,
+    LayerPlan,
     LayoutPlans,
     is_input_major,
     is_packable,
@@ -264,23 +265,24 @@ class FastCachedLM(CachedLM):
         self._head = (head.weight, head.bias)
         # A head with a `support` (models/reduced.py) scatters its rows' logits into the full vocabulary.
         self._head_module = head if isinstance(getattr(head, "support", None), torch.Tensor) else None
-        self._plans = []
+        self.layer_plans: List[LayerPlan] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             watched = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj, attn.k_proj,
                        attn.v_proj, attn.o_proj, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             watched += [m for m in (q_norm, k_norm) if m is not None]
-            self._plans.append((
-                watched,
-                (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
-                (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
-                (attn.q_proj.weight, attn.q_proj.bias), (attn.k_proj.weight, attn.k_proj.bias),
-                (attn.v_proj.weight, attn.v_proj.bias), (attn.o_proj.weight, attn.o_proj.bias),
-                None if q_norm is None else (q_norm.weight, float(q_norm.variance_epsilon)),
-                None if k_norm is None else (k_norm.weight, float(k_norm.variance_epsilon)),
-                (mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias),
-                (mlp.down_proj.weight, mlp.down_proj.bias),
+            self.layer_plans.append(LayerPlan(
+                modules=watched,
+                input_norm=(layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
+                post_attention_norm=(layer.post_attention_layernorm.weight,
+                                     float(layer.post_attention_layernorm.variance_epsilon)),
+                q=(attn.q_proj.weight, attn.q_proj.bias), k=(attn.k_proj.weight, attn.k_proj.bias),
+                v=(attn.v_proj.weight, attn.v_proj.bias), o=(attn.o_proj.weight, attn.o_proj.bias),
+                q_norm=None if q_norm is None else (q_norm.weight, float(q_norm.variance_epsilon)),
+                k_norm=None if k_norm is None else (k_norm.weight, float(k_norm.variance_epsilon)),
+                gate=(mlp.gate_proj.weight, mlp.gate_proj.bias), up=(mlp.up_proj.weight, mlp.up_proj.bias),
+                down=(mlp.down_proj.weight, mlp.down_proj.bias),
             ))
         cpu = self.device.type == "cpu"
         self.set_out_major_rows(out_major_rows() if cpu else frozenset())
@@ -291,14 +293,14 @@ class FastCachedLM(CachedLM):
     def set_out_major_rows(self, rows) -> None:
         """Use the out-major weight copies for passes of these row counts (see `plans_for`)."""
         self._out_rows = frozenset(rows)
-        self._layouts = (LayoutPlans(self.model, self._plans, self._head, out_major, is_input_major)
+        self._layouts = (LayoutPlans(self.model, self.layer_plans, self._head, out_major, is_input_major)
                          if self._out_rows else None)
         if self._layouts is not None and not self._layouts.useful:
             self._layouts = None
 
     def set_onednn_min_rows(self, rows: int) -> None:
         """Use oneDNN-packed weight copies for passes of at least `rows` rows (0: never; see `plans_for`)."""
-        self._packed = LayoutPlans(self.model, self._plans, self._head, packed, is_packable) if rows else None
+        self._packed = LayoutPlans(self.model, self.layer_plans, self._head, packed, is_packable) if rows else None
         if self._packed is not None and not self._packed.useful:
             self._packed = None
         self._packed_from = rows if self._packed is not None else 0
@@ -331,7 +333,7 @@ class FastCachedLM(CachedLM):
         plans' linears with `layouts.linear`, which reads either."""
         copies = self._copies_for(rows)
         if copies is None:
-            return self._plans, self._head
+            return self.layer_plans, self._head
         current = copies.current()
         return current.plans, current.head
 
@@ -451,7 +453,7 @@ class FastCachedLM(CachedLM):
             if index in want:
                 captured[index] = x[0]
             plan = plans[index]
-            hooked, steering = (True, None) if global_hooks else hook_state(plan[0])
+            hooked, steering = (True, None) if global_hooks else hook_state(plan.modules)
             bias = None if up_bias is None else up_bias[index]
             if hooked:
                 attn = layer.self_attn
@@ -459,15 +461,15 @@ class FastCachedLM(CachedLM):
                 q = attn.q_proj(h).view(1, n, heads, hd)
                 k = attn.k_proj(h).view(1, n, kv_heads, hd)
                 v = attn.v_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
-                if plan[7] is not None:
+                if plan.q_norm is not None:
                     q, k = attn.q_norm(q), attn.k_norm(k)
             else:
-                h = rms_norm(x, *plan[1])
-                q = linear(h, *plan[3]).view(1, n, heads, hd)
-                k = linear(h, *plan[4]).view(1, n, kv_heads, hd)
-                v = linear(h, *plan[5]).view(1, n, kv_heads, hd).transpose(1, 2)
-                if plan[7] is not None:
-                    q, k = rms_norm(q, *plan[7]), rms_norm(k, *plan[8])
+                h = rms_norm(x, *plan.input_norm)
+                q = linear(h, *plan.q).view(1, n, heads, hd)
+                k = linear(h, *plan.k).view(1, n, kv_heads, hd)
+                v = linear(h, *plan.v).view(1, n, kv_heads, hd).transpose(1, 2)
+                if plan.q_norm is not None:
+                    q, k = rms_norm(q, *plan.q_norm), rms_norm(k, *plan.k_norm)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -486,9 +488,9 @@ class FastCachedLM(CachedLM):
                 else:
                     x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * (mlp.up_proj(h) + bias))
             else:
-                x = x + linear(o, *plan[6])
-                h = rms_norm(x, *plan[2])
-                up = linear(h, *plan[10])  # a fresh tensor: the SD² biases are added in place
+                x = x + linear(o, *plan.o)
+                h = rms_norm(x, *plan.post_attention_norm)
+                up = linear(h, *plan.up)  # a fresh tensor: the SD² biases are added in place
                 if bias is not None:
                     up += bias
                 if steering is not None:  # SD² hooks on up_proj, applied here instead of through the module
@@ -498,7 +500,7 @@ class FastCachedLM(CachedLM):
                             up[:, -1:] += add
                         else:
                             up += add
-                x = x + linear(F.silu(linear(h, *plan[9])) * up, *plan[11])
+                x = x + linear(F.silu(linear(h, *plan.gate)) * up, *plan.down)
         self.length = end
         if logits_to_keep:
             x = x[:, -logits_to_keep:]

@@ -17,7 +17,7 @@ in-place update that bumps its version counter).
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,28 @@ CACHE_ATTR = "_steerspec_out_major"  # on the model: id(weight) -> (fingerprint,
 ONEDNN_ENV = "STEERSPEC_ONEDNN_MIN_ROWS"
 DEFAULT_ONEDNN_MIN_ROWS = 2
 PACKED_ATTR = "_steerspec_onednn"  # on the model: id(weight) -> (fingerprint, oneDNN-packed copy)
-WEIGHT_SLOTS = (3, 4, 5, 6, 9, 10, 11)  # the (weight, bias) entries of a FastCachedLM layer plan
+Linear = Tuple[Tensor, Optional[Tensor]]  # (weight, bias)
+Norm = Tuple[Tensor, float]  # (weight, eps)
+
+
+class LayerPlan(NamedTuple):
+    """One decoder layer's parameters as a FastCachedLM's lean forward reads them (references, not copies)."""
+
+    modules: List[torch.nn.Module]  # watched for hooks (kv.hook_state)
+    input_norm: Norm
+    post_attention_norm: Norm
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: Optional[Norm]  # Qwen3's per-head norms; None elsewhere
+    k_norm: Optional[Norm]
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down")  # the LayerPlan fields whose weights a layout copies
 
 
 def out_major_rows() -> FrozenSet[int]:
@@ -176,24 +197,23 @@ class LayoutPlans:
     """A FastCachedLM's layer plans and head with copies of their weights swapped in (`convert`:
     `out_major` or `packed`, with `copies`: the weights it copies), rebuilt when a source weight changes."""
 
-    def __init__(self, model, plans: Sequence[tuple], head: Tuple[Tensor, Optional[Tensor]],
+    def __init__(self, model, plans: Sequence[LayerPlan], head: Linear,
                  convert: Callable[[object, Tensor], Tensor], copies: Callable[[Tensor], bool]) -> None:
         self.model = model
         self.convert = convert
-        self.sources = [plan[slot][0] for plan in plans for slot in WEIGHT_SLOTS] + [head[0]]
+        self.sources = [getattr(plan, name)[0] for plan in plans for name in WEIGHTS] + [head[0]]
         self.useful = any(copies(w) for w in self.sources)
         self._plans, self._head = list(plans), head
         self._stamp: Optional[tuple] = None
-        self.plans: list = []
-        self.head: Tuple[Tensor, Optional[Tensor]] = head
+        self.plans: List[LayerPlan] = []
+        self.head: Linear = head
 
     def current(self) -> "LayoutPlans":
         """Self, with its plans and head up to date with the source weights."""
         stamp = tuple(_fingerprint(w) for w in self.sources)
         if stamp != self._stamp:
             swap = lambda pair: (self.convert(self.model, pair[0]), pair[1])  # noqa: E731
-            self.plans = [tuple(swap(entry) if slot in WEIGHT_SLOTS else entry for slot, entry in enumerate(plan))
-                          for plan in self._plans]
+            self.plans = [plan._replace(**{name: swap(getattr(plan, name)) for name in WEIGHTS}) for plan in self._plans]
             self.head = swap(self._head)
             self._stamp = stamp
         return self

@@ -72,11 +72,11 @@ def test_without_onednn_two_and_three_rows_use_the_out_major_copies_with_the_sam
     plain = _plain(verifier, monkeypatch)
     monkeypatch.setenv(ONEDNN_ENV, "0")
     fast = FastCachedLM(verifier)
-    assert is_input_major(fast._plans[0][3][0])
-    assert fast.plans_for(1)[0] is fast._plans
+    assert is_input_major(fast.layer_plans[0].q[0])
+    assert fast.plans_for(1)[0] is fast.layer_plans
     plans, head = fast.plans_for(3)
     assert plans[0][3][0].is_contiguous() and head[0].is_contiguous()
-    torch.testing.assert_close(plans[0][3][0], fast._plans[0][3][0], atol=0, rtol=0)
+    torch.testing.assert_close(plans[0][3][0], fast.layer_plans[0].q[0], atol=0, rtol=0)
     for feed in ([5], [5, 6], [5, 6, 7], [5, 6, 7, 8]):
         torch.testing.assert_close(_logits(fast, feed), _logits(plain, feed), atol=1e-4, rtol=1e-4)
 
@@ -87,11 +87,11 @@ def test_two_rows_and_more_use_the_packed_copies_with_the_same_logits(verifier, 
     monkeypatch.setenv(ONEDNN_ENV, "2")  # the default threshold, without the one-row measurement
     fast = FastCachedLM(verifier)
     assert fast.onednn_min_rows == 2
-    assert fast.plans_for(1)[0] is fast._plans
+    assert fast.plans_for(1)[0] is fast.layer_plans
     for rows in (2, 4, 9, 40):
         plans, head = fast.plans_for(rows)
         assert plans[0][3][0].is_mkldnn and plans[-1][11][0].is_mkldnn and head[0].is_mkldnn
-        torch.testing.assert_close(plans[0][3][0].to_dense(), fast._plans[0][3][0], atol=0, rtol=0)
+        torch.testing.assert_close(plans[0][3][0].to_dense(), fast.layer_plans[0].q[0], atol=0, rtol=0)
     for feed in ([5, 6], [5, 6, 7, 8], list(range(5, 14)), PROMPT):
         torch.testing.assert_close(_logits(fast, feed), _logits(plain, feed), atol=1e-4, rtol=1e-4)
     # the prompt itself is a packed pass: greedy decoding from it matches the plain weights token for token
@@ -203,7 +203,7 @@ def test_float16_weights_are_not_packed_and_bfloat16_only_where_the_cpu_has_nati
     assert lm.extend(PROMPT).logits.shape[0] == len(PROMPT)
     plain = FastCachedLM(load_model(tiny_pair[0], dtype="bfloat16"))
     monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", False)  # an AVX2 CPU: oneDNN would emulate bf16, 10x slower
-    assert not is_packable(plain._plans[0][3][0])
+    assert not is_packable(plain.layer_plans[0][3][0])
     if not onednn_available():
         return
     monkeypatch.setitem(layouts._NATIVE_BF16, "cpu", True)

@@ -40,7 +40,7 @@ def test_steered_fast_path_equals_module_path_and_stays_fast(monkeypatch):
             assert torch.equal(slow, fast)
             torch.testing.assert_close(copies, slow, atol=1e-4, rtol=1e-4)
         fast_lm = FastCachedLM(model)
-        assert all(hook_state(plan[0]) == (False, hooks) for plan in fast_lm._plans)
+        assert all(hook_state(plan.modules) == (False, hooks) for plan in fast_lm.layer_plans)
     finally:
         hooks.remove()
-    assert all(hook_state(plan[0]) == (False, None) for plan in FastCachedLM(model)._plans)
+    assert all(hook_state(plan.modules) == (False, None) for plan in FastCachedLM(model).layer_plans)
