@@ -107,7 +107,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     def stats(self) -> common_pb2.ServiceStats:
         return common_pb2.ServiceStats(active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
                                        max_sessions=self.table.max_sessions, blocks_total=self.table.blocks_total,
-                                       model=self.config.model_name, identity=wire.identity_to_proto(self.identity))
+                                       model=self.config.model_name, identity=wire.identity_to_proto(self.identity),
+                                       passes_total=self.batcher.batches, rows_total=self.batcher.rows,
+                                       busy_s=self.batcher.busy_s)
 
     async def GetDrafterStats(self, request, context):
         return drafter_pb2.GetDrafterStatsResponse(stats=self.stats())

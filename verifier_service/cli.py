@@ -17,7 +17,7 @@ from steerspec.observability.tracing import instrument_grpc, setup_tracing
 from steerspec.serving import logs, registration, security
 from steerspec.serving.grpc_common import check_port, serve_until_signal
 from steerspec.steering import load_steering_head
-from verifier_service.capacity import default_cache_mb
+from verifier_service.cache_budget import default_cache_mb
 from verifier_service.server import VerifierConfig, serve
 
 

@@ -100,7 +100,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             active_sessions=len(self.table), cache_bytes=self.table.cache_bytes(),
             max_sessions=self.table.max_sessions, max_cache_bytes=self.table.max_cache_bytes,
             blocks_total=self.table.blocks_total, model=self.config.model_name,
-            identity=wire.identity_to_proto(self.identity))
+            identity=wire.identity_to_proto(self.identity), passes_total=self.batcher.batches,
+            rows_total=self.batcher.rows, busy_s=self.batcher.busy_s)
 
     async def GetVerifierStats(self, request, context):
         return verifier_pb2.GetVerifierStatsResponse(stats=self.stats())

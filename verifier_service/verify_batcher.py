@@ -213,5 +213,6 @@ class Batcher(WindowBatcher[VerifyJob, JobResult]):
 
     def __init__(self, runner: VerifyRunner, window_s: float, expected: Callable[[], int], max_batch: int = 64,
                  inline: bool = False) -> None:
-        super().__init__(runner.run, window_s, expected, max_batch=max_batch, thread_name="verify", inline=inline)
+        super().__init__(runner.run, window_s, expected, max_batch=max_batch, thread_name="verify", inline=inline,
+                         rows_of=lambda job: len(job.block.draft_ids) + 1)  # the pending token and the drafts
         self.runner = runner

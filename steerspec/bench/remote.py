@@ -323,9 +323,10 @@ def paired_speedup(rates: Sequence[Optional[float]], alone: Sequence[Optional[fl
     return {"mean": round(statistics.fmean(ratios), 3), "se": round(se, 3), "n": len(ratios)}
 
 
-async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "") -> Dict[str, Any]:
-    """The same `max(--concurrency)` speculative generations, `sessions` at a time (waves of
-    `asyncio.gather`); aggregate tokens/s = all their tokens / the wall time of all waves."""
+async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "",
+                      mode: str = "speculative") -> Dict[str, Any]:
+    """The same `max(--concurrency)` generations, `sessions` at a time (waves of `asyncio.gather`), speculative
+    or the verifier alone (`mode="autoregressive"`); aggregate tokens/s = all their tokens / the waves' wall time."""
     total = max(args.concurrency_list)
     results: List[Any] = []
     start = time.perf_counter()
@@ -333,7 +334,7 @@ async def _concurrent(cluster, prompts, args, sessions: int, tree: str = "") -> 
         results += await asyncio.gather(*[
             cluster.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, k=args.k,
-                             draft_top_k=args.draft_top_k, mode="speculative", steering=cluster.steering, timeout=600,
+                             draft_top_k=args.draft_top_k, mode=mode, steering=cluster.steering, timeout=600,
                              tree=tree)
             for i in range(wave, min(total, wave + sessions))])
     return summarize_runs(results, wall_s=time.perf_counter() - start)
@@ -400,15 +401,22 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
             row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(row[key], row["autoregressive"])
             row["paired_speedup"][key] = paired_speedup(rates[key], rates["autoregressive"])
         if rtt in args.concurrency_rtts:
-            conc = {}
-            for n in args.concurrency_list:
+            conc, alone = {}, {}
+            for n in args.concurrency_list:  # the verifier alone at the same load, interleaved: like with like
                 conc[str(n)] = await _concurrent(cluster, prompts, args, n)
-            row["concurrency"] = conc
+                alone[str(n)] = await _concurrent(cluster, prompts, args, n, mode="autoregressive")
+                if alone[str(n)]["tokens_per_s"]:
+                    conc[str(n)]["over_verifier_alone"] = round(
+                        conc[str(n)]["tokens_per_s"] / alone[str(n)]["tokens_per_s"], 3)
+            row["concurrency"], row["verifier_concurrency"] = conc, alone
             low, high = min(args.concurrency_list), max(args.concurrency_list)
             if low != high and conc[str(low)]["tokens_per_s"]:
                 row["concurrency_ratio"] = round(conc[str(high)]["tokens_per_s"] / conc[str(low)]["tokens_per_s"], 3)
             if args.tree:  # the same sessions drafting the tree: its blocks share packed verifier passes too
                 tconc = {str(n): await _concurrent(cluster, prompts, args, n, args.tree) for n in args.concurrency_list}
+                for n, c in tconc.items():
+                    if alone[n]["tokens_per_s"]:
+                        c["over_verifier_alone"] = round(c["tokens_per_s"] / alone[n]["tokens_per_s"], 3)
                 row["tree_concurrency"] = tconc
                 if low != high and tconc[str(low)]["tokens_per_s"]:
                     row["tree_concurrency_ratio"] = round(
@@ -491,7 +499,7 @@ def print_report(report: Dict[str, Any]) -> None:
     console.print(table)
     conc_rows = [r for r in report["rows"] if "concurrency" in r]
     if conc_rows:
-        ctable = Table(title="aggregate tokens/s, concurrent speculative sessions")
+        ctable = Table(title="aggregate tokens/s of concurrent sessions (× the verifier alone at the same load)")
         ctable.add_column("RTT ms", justify="right")
         ctable.add_column("draft", justify="left")
         sessions = list(conc_rows[0]["concurrency"].keys())
@@ -500,13 +508,18 @@ def print_report(report: Dict[str, Any]) -> None:
             ctable.add_column(f"batch ({n})", justify="right")
         ctable.add_column("ratio", justify="right")
         for r in conc_rows:
-            for key, label in (("concurrency", f"k={cfg['k']}"), ("tree_concurrency", f"tree {cfg.get('tree')}")):
+            for key, label in (("verifier_concurrency", "verifier alone"), ("concurrency", f"k={cfg['k']}"),
+                               ("tree_concurrency", f"tree {cfg.get('tree')}")):
                 if key not in r:
                     continue
                 cells = []
                 for n in sessions:
-                    cells += [_f(r[key][n]["tokens_per_s"]), _f(r[key][n].get("batch_size"), 2)]
-                ratio = r.get("concurrency_ratio" if key == "concurrency" else "tree_concurrency_ratio")
+                    alone = r.get("verifier_concurrency", {}).get(n, {}).get("tokens_per_s")
+                    rate = r[key][n]["tokens_per_s"]
+                    versus = f" ({rate / alone:.2f}×)" if key != "verifier_concurrency" and alone and rate else ""
+                    cells += [_f(rate) + versus, _f(r[key][n].get("batch_size"), 2)]
+                ratio = r.get(f"{key}_ratio" if key == "tree_concurrency" else "concurrency_ratio") \
+                    if key != "verifier_concurrency" else None
                 ctable.add_row(f"{r['rtt_ms']:g}", label, *cells, _f(ratio, 2))
         console.print(ctable)
     for name, t in report["targets"].items():

@@ -21,15 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import random
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cli import eos_ids_of
 from coordinator.client import Chunk, Client, Summary
+from steerspec.bench.processes import READY_TIMEOUT_S, Part, free_port
 from steerspec.decoding.engine import DecodeConfig, autoregressive_generate
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
@@ -55,7 +51,6 @@ from steerspec.v1 import coordinator_pb2, coordinator_pb2_grpc
 KILLS = ("verifier", "drafter", "redis", "coordinator")
 PROBES = ("malformed", "oversized")
 FAULTS = KILLS + PROBES
-READY_TIMEOUT_S = 180.0  # a part that is not serving again by then is a fault not survived
 GARBAGE = b"\xff\xff\xff\xff\x0f garbage, not a protobuf message"
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Queue:", "import os\nimport sys\n", "def is_prime(n):",
                     "for name in sorted(", "def binary_search(items, target):", "class Stack:", "# Read a CSV file"]
@@ -86,117 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _service_env() -> Dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for key, value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
-        env.setdefault(key, value)
-    return env
-
-
-def _die_with_parent() -> None:
-    """In the child (Linux): SIGKILL it when the soak process dies, so no part outlives a killed soak."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-@dataclass
-class Part:
-    """One process of the deployment, restartable on the same port."""
-
-    name: str  # "verifier-0", "redis", ...
-    kind: str  # one of KILLS
-    argv: List[str]
-    port: int
-    workdir: Path
-    proc: Optional[subprocess.Popen] = None
-    starts: int = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / f"{self.name}.{self.starts}.log"
-
-    def start(self) -> None:
-        self.starts += 1
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=_service_env(),
-                                         cwd=str(self.workdir), start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-
-    def _ready(self) -> bool:
-        if self.kind == "redis":
-            return _redis_ping(self.port)
-        return re.search(rf"serving\b.* on 127\.0\.0\.1:{self.port}\b", self.log.read_text(errors="replace")) is not None
-
-    async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
-        """True once serving; False when it exited or did not come up within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            if self._ready():
-                return True
-            await asyncio.sleep(0.1)
-        return False
-
-    def kill(self) -> None:
-        """SIGKILL (no goodbye) and reap."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def tail(self, chars: int = 1500) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
-
-
 class Deployment:
     """Redis, 2 verifiers, 2 drafters and a coordinator as processes on loopback."""
 
     def __init__(self, args, workdir: Path, redis_binary: str) -> None:
         py = [sys.executable, "-m", "steerspec", "serve"]
         common = ["--threads", "1", "--log-level", "warning"]
-        self.redis = Part("redis", "redis", [], _free_port(), workdir)
+        self.redis = Part("redis", "redis", [], free_port(), workdir)
         self.redis.argv = [redis_binary, "--bind", "127.0.0.1", "--port", str(self.redis.port), "--save", "",
                            "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes"]
-        self.verifiers = [Part(f"verifier-{i}", "verifier", [], _free_port(), workdir) for i in range(2)]
-        self.drafters = [Part(f"drafter-{i}", "drafter", [], _free_port(), workdir) for i in range(2)]
+        self.verifiers = [Part(f"verifier-{i}", "verifier", [], free_port(), workdir) for i in range(2)]
+        self.drafters = [Part(f"drafter-{i}", "drafter", [], free_port(), workdir) for i in range(2)]
         for part in self.verifiers:
             part.argv = py + ["verifier", "--port", str(part.port), "--model", str(args.verifier), *common]
         for part in self.drafters:
             part.argv = py + ["drafter", "--port", str(part.port), "--model", str(args.drafter), *common]
-        self.coordinator = Part("coordinator", "coordinator", [], _free_port(), workdir)
+        self.coordinator = Part("coordinator", "coordinator", [], free_port(), workdir)
         self.coordinator.argv = py + [
             "coordinator", "--port", str(self.coordinator.port), "--tokenizer", str(args.verifier),
             "--verifier", ",".join(p.address for p in self.verifiers),

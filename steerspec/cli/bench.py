@@ -1,10 +1,13 @@
-"""`steerspec bench engine|remote|sd2|hop|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a table and write JSON."""
+"""`steerspec bench engine|remote|capacity|sd2|hop|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a
+table and write JSON."""
 
 from steerspec.cli.dispatch import register_group
 
 COMMANDS = (
     ("engine", "steerspec.bench.in_process", "in-process engine vs verifier alone vs transformers assisted generation"),
     ("remote", "steerspec.bench.remote", "distributed path over an emulated remote link"),
+    ("capacity", "steerspec.bench.capacity",
+     "many sessions sharing one verifier: goodput, latency and SLO per mode against the verifier alone"),
     ("sd2", "steerspec.bench.drafters", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
     ("hop", "steerspec.bench.hop", "one gRPC hop after idle under grpc's two TCP transports"),
     ("sprinter", "steerspec.bench.lossy", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),

@@ -7,6 +7,10 @@ why) every call runs on the event loop's thread; otherwise batches run on a sing
 so the loop keeps reading other streams, and a lone session computes inline (no thread hop, no
 wait). A job is any object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and
 `future` attributes.
+
+It also keeps the load it has served, which GetStats reports: compute calls, the rows they scored (`rows_of`
+a job: a block of k drafts is k + 1 rows), and the seconds spent computing (batches, lone jobs and
+`run_compute` calls such as prefills).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class WindowBatcher(Generic[J, R]):
     """Collects jobs for at most `window_s`, or until `expected()` sessions have submitted."""
 
     def __init__(self, compute: Callable[[List[J]], Sequence[R]], window_s: float, expected: Callable[[], int],
-                 max_batch: int = 64, thread_name: str = "compute", inline: bool = False) -> None:
+                 max_batch: int = 64, thread_name: str = "compute", inline: bool = False,
+                 rows_of: Callable[[J], int] = lambda job: 1) -> None:
         self.compute = compute
+        self.rows_of = rows_of
         self.inline = bool(inline)
         self.window_s = max(0.0, float(window_s))
         self.expected = expected
@@ -47,6 +53,8 @@ class WindowBatcher(Generic[J, R]):
         self.batches = 0  # compute calls made
         self.batched_blocks = 0  # jobs they served (batched_blocks / batches = mean batch size)
         self.max_batch_seen = 0
+        self.rows = 0  # rows the compute calls scored (rows / batches = mean rows per pass)
+        self.busy_s = 0.0  # seconds spent in compute calls and run_compute
 
     def start(self) -> None:
         """Start the collecting task (done on the first queued job otherwise)."""
@@ -54,10 +62,19 @@ class WindowBatcher(Generic[J, R]):
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    def _count(self, size: int) -> None:
+    def _count(self, jobs: Sequence[J]) -> None:
         self.batches += 1
-        self.batched_blocks += size
-        self.max_batch_seen = max(self.max_batch_seen, size)
+        self.batched_blocks += len(jobs)
+        self.max_batch_seen = max(self.max_batch_seen, len(jobs))
+        self.rows += sum(self.rows_of(job) for job in jobs)
+
+    def _timed(self, fn, *args):
+        """`fn(*args)`, its seconds added to `busy_s` (one compute call runs at a time)."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
 
     async def run_compute(self, fn, *args, hold: Sequence = ()):
         """Run `fn(*args)` on the compute thread (serialised with batches), or inline on the event
@@ -68,7 +85,7 @@ class WindowBatcher(Generic[J, R]):
         they close (or this call is cancelled) meanwhile: see `free_cache`.
         """
         if self.inline or (self.expected() <= 1 and not self._busy):
-            return fn(*args)
+            return self._timed(fn, *args)
         loop = asyncio.get_running_loop()
         self._busy += 1
         for session in hold:
@@ -86,7 +103,7 @@ class WindowBatcher(Generic[J, R]):
             except RuntimeError:  # the loop has closed (shutdown): nothing is left to free
                 pass
 
-        work = self.executor.submit(fn, *args)
+        work = self.executor.submit(self._timed, fn, *args)
         work.add_done_callback(done)
         return await asyncio.wrap_future(work, loop=loop)
 
@@ -94,8 +111,8 @@ class WindowBatcher(Generic[J, R]):
         """The job's result, computed alone (a lone session) or batched with concurrent ones."""
         job.submitted = time.perf_counter()
         if self.expected() <= 1 and not self._pending and not self._busy:
-            self._count(1)
-            return self.compute([job])[0]
+            self._count([job])
+            return self._timed(self.compute, [job])[0]
         self.start()
         job.future = asyncio.get_running_loop().create_future()
         self._pending.append(job)
@@ -132,7 +149,7 @@ class WindowBatcher(Generic[J, R]):
                     if not job.future.done():
                         job.future.set_exception(exc)
                 continue
-            self._count(len(jobs))
+            self._count(jobs)
             for job, result in zip(jobs, results):
                 if not job.future.done():
                     job.future.set_result(result)

@@ -115,7 +115,7 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ServiceStats(_message.Message):
-    __slots__ = ("active_sessions", "cache_bytes", "max_sessions", "max_cache_bytes", "blocks_total", "model", "identity")
+    __slots__ = ("active_sessions", "cache_bytes", "max_sessions", "max_cache_bytes", "blocks_total", "model", "identity", "passes_total", "rows_total", "busy_s")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,9 @@ class ServiceStats(_message.Message):
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    PASSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     cache_bytes: int
     max_sessions: int
@@ -130,7 +133,10 @@ class ServiceStats(_message.Message):
     blocks_total: int
     model: str
     identity: ModelIdentity
-    def __init__(self, active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    passes_total: int
+    rows_total: int
+    busy_s: float
+    def __init__(self, active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., passes_total: _Optional[int] = ..., rows_total: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("name", "tokenizer", "vocab_size", "context_length", "eos_ids", "hidden_size", "steering", "steering_layers", "steering_hidden_size", "draft_support")

@@ -45,6 +45,8 @@ def test_bench_remote_smoke(tiny_pair, tmp_path, capsys):
     slow = report["rows"][1]
     assert slow["autoregressive"]["stage_ms"]["network"] >= 19.0  # the emulated link is on that hop
     assert set(slow["concurrency"]) == {"1", "2"} and slow["concurrency_ratio"] > 0
+    assert set(slow["verifier_concurrency"]) == {"1", "2"}  # the verifier alone at the same load
+    assert all(slow["concurrency"][n]["over_verifier_alone"] > 0 for n in ("1", "2"))
     assert slow["paired_speedup"]["speculative"]["n"] == 1 and slow["paired_speedup"]["speculative"]["mean"] > 0
     assert len(slow["speculative"]["per_prompt_tokens_per_s"]) == len(slow["autoregressive"]["per_prompt_tokens_per_s"]) == 1
     assert "concurrency" not in report["rows"][0]

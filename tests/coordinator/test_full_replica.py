@@ -14,7 +14,7 @@ from coordinator.local import LocalCluster
 from coordinator.streams import SessionError
 from service_helpers import open_verifier, wait_for_stats
 from steerspec.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.capacity import default_cache_mb
+from verifier_service.cache_budget import default_cache_mb
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [5, 17, 42, 9]

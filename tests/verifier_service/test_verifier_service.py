@@ -99,6 +99,8 @@ async def test_concurrent_sessions_batched_and_exact(server, model):
     for (out, _), reference in zip(runs, references):
         assert out == reference
     assert max(max(sizes) for _, sizes in runs) > 1, "concurrent blocks were never batched"
+    stats = await server.stats()  # the load counters GetStats reports (what `bench capacity` reads)
+    assert 0 < stats.passes_total < stats.blocks_total < stats.rows_total and stats.busy_s > 0
 
 
 async def test_transformers_cache_backend_batched_and_exact(model):
