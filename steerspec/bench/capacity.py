@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-set", default="fresh", help="bundled eval set the prompts come from (default: fresh)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to this many tokens (default: 128)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop clients per cell (default: 1..32)")
-    parser.add_argument("--arrival-rate", default="",
+    parser.add_argument("--arrival-rate", default=None,
                         help="open loop instead: Poisson arrival rates in sessions/s, comma-separated")
     parser.add_argument("--modes", default=DEFAULT_MODES, help=f"modes (default: {DEFAULT_MODES})")
     parser.add_argument("--rtt-ms", default="0,50,100", help="emulated RTTs, one coordinator each (default: 0,50,100)")
@@ -559,12 +559,13 @@ async def measure(args) -> List[Dict[str, object]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    command = command_line("steerspec bench capacity", args)  # before `validate` adds its parsed lists
     validate(args)
     cells = asyncio.run(measure(args))
     summary = summarize(cells)
     report = {
         "benchmark": "capacity",
-        "command": command_line("steerspec bench capacity", args),
+        "command": command,
         "machine": {**host_info(), "cpus": sorted(os.sched_getaffinity(0))},
         "config": {"verifier": args.verifier, "drafter": args.drafter, "eval_set": args.eval_set,
                    "modes": args.mode_list, "rtt_ms": args.rtt_list, "placements": args.placement_list,

@@ -21,6 +21,7 @@ def test_capacity_smoke_on_the_tiny_pair(tmp_path, capsys):
     assert code == 0
     report = json.loads(out.read_text())
     assert report["machine"]["cpu"] and report["command"].startswith("steerspec bench capacity")
+    assert "--mode-list" not in report["command"] and "--arrival-rate" not in report["command"]
     assert len(report["cells"]) == 4 and all(c["generations"] >= 1 and c["errors"] == 0 for c in report["cells"])
     rows = {(r["load"], r["mode"]): r for r in report["summary"]}
     assert set(rows) == {(1, "verifier"), (2, "verifier"), (1, "k2"), (2, "k2")}
