@@ -46,16 +46,16 @@ from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
 from steerspec.decoding import rounds
 from steerspec.decoding.sampling import SamplingParams
-from steerspec.decoding.trees import cut_to_depth, parse_tree, prefix, q_parents
+from steerspec.decoding.trees import cut_to_depth, prefix, q_parents
 from steerspec.observability.tracing import BLOCK_SPAN, traceparent
 from steerspec.policies.base import MAX_K
-from steerspec.policies.registry import PolicyError, max_block, parse_spec
+from steerspec.policies.registry import PolicyError
 from steerspec.serving import wire
 from steerspec.serving.identity import ModelIdentity, compatible, drafter_fix, mismatch_message, pair_differences
+from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.linkemu import NO_LINK, LinkModel
 from steerspec.serving.store import Endpoint, InProcessStore, Store
 from steerspec.sprinter.labels import SprinterTally
-from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -150,16 +150,32 @@ class SessionRequest:
     verification: str = "exact"  # "block" (exact), or "sprinter[:...]" (lossy; admitted only with --allow-lossy)
     tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/decoding/trees.py)
 
+    _mode: Optional[BlockMode] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def block_mode(self) -> BlockMode:
+        """The request's mode (kind, verification rule, policy, block limit), parsed once from its fields by
+        `serving.block_mode.parse_mode`; SessionError INVALID_ARGUMENT naming the bad field."""
+        if self._mode is None:
+            try:
+                self._mode = parse_mode(speculative=self.mode == "speculative", k=self.k, tree=self.tree,
+                                        verification=self.verification, policy=self.policy)
+            except ModeError as exc:
+                raise _invalid(str(exc)) from None
+        return self._mode
+
     @property
     def lossy(self) -> bool:
-        return self.verification_spec().lossy
+        return self.block_mode.lossy
 
-    def verification_spec(self):
-        """The parsed verification (steerspec.sprinter.spec.Verification)."""
-        return parse_verification(self.verification)
+    @property
+    def block_limit(self) -> int:
+        """Most draft tokens per block, what both services are opened with (`BlockMode.block_limit`)."""
+        return self.block_mode.block_limit
 
     def validate(self) -> "SessionRequest":
-        """Check every field (SessionError INVALID_ARGUMENT naming the bad one); assign a session id."""
+        """Check every field (SessionError INVALID_ARGUMENT naming the bad one), normalise the mode's fields to
+        their canonical specs; assign a session id."""
         if not self.prompt_ids:
             raise _invalid("the prompt is empty: send a non-empty prompt or prompt_ids")
         if any(int(t) < 0 for t in self.prompt_ids):
@@ -176,71 +192,20 @@ class SessionRequest:
             self.sampling.validate()
         except ValueError as exc:
             raise _invalid(str(exc)) from None
-        self._validate_tree()
+        self._mode = None  # parsed from the fields as they are now
+        mode = self.block_mode
         try:
-            parse_spec(self.policy or "fixed")
-            limit = self.block_limit
+            limit = mode.block_limit
         except PolicyError as exc:
             raise _invalid(str(exc)) from None
-        if self.mode == "speculative" and not (1 <= limit <= MAX_K):
+        if mode.speculative and not (1 <= limit <= MAX_K):
             raise _invalid(f"policy {self.policy}: a block of up to {limit} draft tokens is outside [1, {MAX_K}]; "
                            "lower its k/max/gmax")
-        self._validate_verification()
+        self.tree, self.verification, self.policy, self.k = mode.tree_spec, mode.verification.spec(), mode.policy, \
+            mode.k
         if not self.session_id:
             self.session_id = uuid.uuid4().hex
         return self
-
-    @property
-    def block_limit(self) -> int:
-        """Most draft tokens per block, what both services are opened with: k for a bare `fixed`,
-        otherwise the policy's own bound (gmax, max or k of its spec), so adaptive policies draft as
-        long through the services as in process."""
-        if self.tree:
-            return self.tree_shape().size  # a block carries up to every node of the tree
-        spec = (self.policy or "fixed").strip()
-        return self.k if spec == "fixed" else max_block(spec)
-
-    def tree_shape(self):
-        """The parsed draft tree (steerspec.decoding.trees.TreeShape); ValueError on a bad spec."""
-        return parse_tree(self.tree)
-
-    def _validate_tree(self) -> None:
-        """A tree session: speculative, lossless (exact or block), fixed policy (the tree replaces k); the spec
-        normalised."""
-        if not (self.tree or "").strip():
-            self.tree = ""
-            return
-        try:
-            shape = self.tree_shape()
-        except ValueError as exc:
-            raise _invalid(f"tree: {exc}") from None
-        if self.mode != "speculative":
-            raise _invalid("a draft tree needs mode 'speculative'")
-        if self.verification_spec().lossy:
-            raise _invalid(f"a draft tree is verified losslessly, not by '{self.verification_spec().mode}': send "
-                           "verification 'exact' or 'block', or no tree")
-        if (self.policy or "fixed").split(":")[0] != "fixed":
-            raise _invalid(f"a draft tree replaces the draft length: policy '{self.policy}' does not apply; send "
-                           "policy 'fixed' (or none)")
-        self.tree = shape.spec()
-
-    def _validate_verification(self) -> None:
-        """A SPRINTER session: speculative, fixed policy, k = its max_run (the longest run one call verifies)."""
-        try:
-            verification = self.verification_spec()
-        except VerificationError as exc:
-            raise _invalid(str(exc)) from None
-        self.verification = verification.spec()
-        if not verification.lossy:
-            return
-        if self.mode != "speculative":
-            raise _invalid("sprinter verification needs mode 'speculative' (it verifies a drafter's tokens)")
-        if (self.policy or "fixed").split(":")[0] != "fixed":
-            raise _invalid(f"sprinter verification ends runs with its classifier; policy '{self.policy}' does not "
-                           "apply: send policy 'fixed' (or none)")
-        if verification.max_run > MAX_K:
-            raise _invalid(f"sprinter max_run must be at most {MAX_K}, got {verification.max_run}")
-        self.k, self.policy = verification.max_run, "fixed"
 
     def params(self) -> Dict[str, object]:
         """JSON-ready record of the request (the session's checkpointed parameters)."""
@@ -295,7 +260,7 @@ class SessionLoop:
                                         resumes=resumes, restored=len(self.generated),
                                         verification=request.verification)
         if request.lossy:  # the verifier's labels of every run, tallied as in-process SPRINTER tallies them
-            self.result.sprinter = SprinterTally(max_run=request.verification_spec().max_run)
+            self.result.sprinter = SprinterTally(max_run=request.block_mode.verification.max_run)
         self.link = config.link.link(request.session_id)
         self.verifier: Optional[Stream] = None
         self.drafter: Optional[Stream] = None
@@ -309,7 +274,7 @@ class SessionLoop:
         self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
         self._block_span = None  # the span of the block asked for last (tracing on only)
         self.policy_state = ""  # the drafter policy's last reported state (JSON): a reopened drafter resumes it
-        self.tree = request.tree_shape() if request.tree else None  # parsed once: every block is cut and walked on it
+        self.tree = request.block_mode.tree  # parsed once: every block is cut and walked on it
 
     # -- helpers ----------------------------------------------------------------------------
     @property

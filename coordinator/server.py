@@ -217,7 +217,7 @@ class Coordinator:
         else:
             await store.create_session(request.session_id, request.params(), {})
             if request.lossy and self.config.metrics is not None:
-                self.config.metrics.observe_lossy_session(request.verification_spec().mode)
+                self.config.metrics.observe_lossy_session(request.block_mode.verification.mode)
         text = TextStream(self.tokenizer)
         if generated:
             yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(

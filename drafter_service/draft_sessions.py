@@ -34,6 +34,7 @@ from steerspec.models.kv import CachedLM, FastCachedLM
 from steerspec.models.loading import context_length, kv_bytes_per_token
 from steerspec.policies import BlockFeedback, PolicyContext, PolicyError, make_policy
 from steerspec.serving.batching import free_cache
+from steerspec.serving.block_mode import EXACT_CHAIN, BlockMode
 from steerspec.serving.wire import ProtocolError, invalid
 from steerspec.sprinter.decoding import draft_run
 
@@ -119,7 +120,7 @@ class DrafterSession:
     steering: Optional[Tensor] = None
     policy_spec: str = ""  # the registry spec the policy was built from (key of the warm-start state)
     sprinter: Optional[SprinterRun] = None  # lossy SPRINTER session (None: exact)
-    tree: Optional[TreeShape] = None  # a draft-tree session: blocks carry the tree's nodes breadth-first
+    mode: BlockMode = EXACT_CHAIN  # the session's kind, verification rule and policy, parsed from its DraftOpen
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False
@@ -129,6 +130,11 @@ class DrafterSession:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    @property
+    def tree(self) -> Optional[TreeShape]:
+        """A draft-tree session's tree (blocks carry its nodes breadth-first); None: chains."""
+        return self.mode.tree
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -371,7 +377,7 @@ class DrafterSessionTable:
                                 f"this drafter already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         # a draft tree needs the lean cache on any device (the graphed static pool takes no tree)
-        lm = FastCachedLM(self.model) if fields.get("tree") is not None else cached_lm(self.model)
+        lm = FastCachedLM(self.model) if fields.get("mode", EXACT_CHAIN).tree is not None else cached_lm(self.model)
         session = DrafterSession(session_id=session_id, lm=lm, **fields)
         self.sessions[session_id] = session
         return session

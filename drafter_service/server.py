@@ -40,6 +40,7 @@ from steerspec.models.kv import FastCachedLM, prepare_weight_copies
 from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.serving import wire
+from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.compute import inline_compute
 from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 from steerspec.serving.identity import ModelIdentity, describe_model, drafter_fix, mismatch_message, pair_differences
@@ -47,7 +48,6 @@ from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.serving.wire import ProtocolError, code_number
 from steerspec.sprinter.classifier import resolve_head
 from steerspec.sprinter.decoding import SprinterScorer
-from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,14 @@ class DrafterConfig:
     identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its steering)
 
 
-def _verification(spec: str):
-    """DraftOpen.verification parsed; INVALID_ARGUMENT for a bad spec."""
+def _mode(msg: drafter_pb2.DraftOpen, default_policy: str) -> BlockMode:
+    """DraftOpen's mode (`serving.block_mode.parse_mode`: k, tree, verification, the policy or this drafter's
+    default); INVALID_ARGUMENT naming the bad field."""
     try:
-        return parse_verification(spec)
-    except VerificationError as exc:
-        raise wire.invalid(f"verification: {exc}") from None
+        return parse_mode(k=int(msg.k) or DEFAULT_K, tree=msg.tree, verification=msg.verification,
+                          policy=msg.policy, default_policy=default_policy)
+    except ModeError as exc:
+        raise wire.invalid(str(exc)) from None
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.DraftResponse:
@@ -162,21 +164,15 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise wire.invalid(f"draft_top_k {top_k} exceeds the limit {MAX_DRAFT_TOP_K} (0 = full vocabulary)")
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
-        verification = _verification(msg.verification)
-        tree = wire.tree_from_proto(msg.tree, verification.mode, msg.policy)
-        if tree is not None:
-            if not FastCachedLM.supports(self.model):
-                raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
-                                    "which a draft tree needs: open the session without a tree")
-            k = tree.depth  # the tree's depth, cut near the budget and the context like a chain's k
-        loaded = self._sprinter_head() if verification.lossy else None
-        if loaded is not None:
-            k = verification.max_run
-            if k > MAX_K:
-                raise wire.invalid(f"sprinter max_run {k} exceeds the limit of {MAX_K} draft tokens per block")
-        # sprinter: runs end by its head; a tree: its shape
-        spec = "fixed" if (loaded is not None or tree is not None) else (msg.policy or self.config.policy)
+        mode = _mode(msg, self.config.policy)
+        tree, verification = mode.tree, mode.verification
+        if tree is not None and not FastCachedLM.supports(self.model):
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
+                                "which a draft tree needs: open the session without a tree")
+        loaded = self._sprinter_head() if mode.lossy else None
+        k = mode.draft_depth  # a tree's depth or a run's max_run, cut near the budget and the context like k
+        spec = mode.policy  # `fixed` where the kind's shape sets the length (a tree; SPRINTER's runs)
         policy = resolve_policy(spec, k, self.table.model)
         if msg.policy_state:  # a failover: the session's own state
             load_policy_state(policy, msg.policy_state)
@@ -189,7 +185,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
-                                  tree=tree)
+                                  mode=mode)
         if loaded is not None:
             threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
             session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold, loaded.lam)

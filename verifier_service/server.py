@@ -26,12 +26,12 @@ from steerspec.models.loading import context_length
 from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K
 from steerspec.serving import wire
+from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.compute import inline_compute
 from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 from steerspec.serving.identity import ModelIdentity, describe_model, mismatch_message, tokenizer_differences
 from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.serving.wire import ProtocolError, code_number
-from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service import tree_verify
 from verifier_service.verify_batcher import Batcher, VerifyRunner
@@ -140,15 +140,13 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                 "with --steering-head DIR or open the session with steering=false")
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
-        verification = _verification(msg.verification)
-        tree = wire.tree_from_proto(msg.tree, verification.mode)
-        session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, tree.size if tree else 0),
+        mode = _mode(msg)
+        session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, mode.tree.size if mode.tree else 0),
                                   pending=prompt_ids[-1], params=params, generator=generator,
-                                  steering=bool(msg.steering), sprinter=verification.lossy, tree=tree,
-                                  acceptance=verification.acceptance)
+                                  steering=bool(msg.steering), mode=mode)
         start = time.perf_counter()
         try:
-            if tree is not None:
+            if mode.tree is not None:
                 tree_verify.check_session(session.lm)
             steering = await self._prefill(session, prompt_ids)
         except BaseException:
@@ -257,12 +255,13 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                       k=block.k, accepted=result.accepted, batch_size=result.batch_size)
 
 
-def _verification(spec: str):
-    """VerifyOpen.verification parsed (exact, block or SPRINTER); INVALID_ARGUMENT for a bad spec."""
+def _mode(msg: verifier_pb2.VerifyOpen) -> BlockMode:
+    """VerifyOpen's mode (`serving.block_mode.parse_mode` of its tree and verification); INVALID_ARGUMENT naming
+    the bad field."""
     try:
-        return parse_verification(spec)
-    except VerificationError as exc:
-        raise wire.invalid(f"verification: {exc}") from None
+        return parse_mode(tree=msg.tree, verification=msg.verification)
+    except ModeError as exc:
+        raise wire.invalid(str(exc)) from None
 
 
 async def serve(model, config: VerifierConfig, host: str = "127.0.0.1", port: int = 0, steering_head=None,

@@ -21,6 +21,7 @@ from steerspec.models.backends import cached_lm
 from steerspec.models.kv import CachedLM, FastCachedLM
 from steerspec.models.loading import kv_bytes_per_token
 from steerspec.serving.batching import free_cache
+from steerspec.serving.block_mode import EXACT_CHAIN, BlockMode
 from steerspec.serving.wire import ProtocolError
 
 KV_BACKENDS = ("auto", "fast", "hf")
@@ -58,9 +59,7 @@ class VerifierSession:
     generator: torch.Generator
     max_k: int
     steering: bool
-    sprinter: bool = False  # lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)
-    tree: Optional[TreeShape] = None  # a draft-tree session: blocks carry its nodes (verifier_service/tree_verify.py)
-    acceptance: str = "token"  # at T > 0: "token" (speculative sampling) or "block" (block_verify.py; trees: traversal.py)
+    mode: BlockMode = EXACT_CHAIN  # the session's kind and verification rule, parsed from its VerifyOpen
     last_seq: Optional[int] = None
     blocks: int = 0
     ready: bool = False
@@ -71,6 +70,21 @@ class VerifierSession:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    @property
+    def sprinter(self) -> bool:
+        """A lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)."""
+        return self.mode.lossy
+
+    @property
+    def tree(self) -> Optional[TreeShape]:
+        """A draft-tree session's tree: blocks carry its nodes (verifier_service/tree_verify.py); None: chains."""
+        return self.mode.tree
+
+    @property
+    def acceptance(self) -> str:
+        """At T > 0: "token" (speculative sampling) or "block" (block_verify.py; trees: traversal.py)."""
+        return self.mode.acceptance
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -128,7 +142,7 @@ class SessionTable:
                                 f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         self.check_room(None, prompt_len + max_k)
-        lm = session_lm(self.model, self.kv_backend, tree=fields.get("tree") is not None)
+        lm = session_lm(self.model, self.kv_backend, tree=fields.get("mode", EXACT_CHAIN).tree is not None)
         session = VerifierSession(session_id=session_id, lm=lm, committed=prompt_len, max_k=max_k, **fields)
         self.sessions[session_id] = session
         self.reserved[session_id] = prompt_len + max_k

@@ -33,7 +33,7 @@ from steerspec.decoding.sampling import (
     fp16_roundtrip,  # noqa: F401 (re-exported: what a sampling drafter must send)
     wire_dist,
 )
-from steerspec.decoding.trees import node_q_rows, parse_tree
+from steerspec.decoding.trees import node_q_rows
 from steerspec.serving.identity import ModelIdentity
 from steerspec.sprinter.labels import RunLabels
 from steerspec.v1 import common_pb2
@@ -327,26 +327,6 @@ def decode_labels(msg: common_pb2.SprinterLabels):
 
 
 # --------------------------------------------------------------------------- draft trees
-
-
-def tree_from_proto(spec: str, verification: str = "exact", policy: str = ""):
-    """VerifyOpen.tree / DraftOpen.tree -> a `trees.TreeShape`, or None for "" (chains); INVALID_ARGUMENT
-    naming the fix on a bad spec, with a lossy verification mode (SPRINTER judges chains; `exact` walks a tree
-    by recursive rejection sampling, `block` by traversal verification) or a draft-length policy other than
-    fixed."""
-    if not (spec or "").strip():
-        return None
-    try:
-        tree = parse_tree(spec)
-    except ValueError as exc:
-        raise invalid(f"tree: {exc}") from None
-    if verification not in ("exact", "block"):
-        raise invalid(f"a draft tree is verified losslessly, not by '{verification}': open the session with "
-                      "verification 'exact' or 'block', or without a tree")
-    if (policy or "fixed").split(":")[0] != "fixed":
-        raise invalid(f"a draft tree replaces the draft length: policy '{policy}' does not apply; send policy "
-                      "'fixed' (or none)")
-    return tree
 
 
 def check_path(shape, path: Sequence[int], accepted: int, seq: int) -> None:

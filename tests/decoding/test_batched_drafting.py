@@ -27,7 +27,7 @@ from steerspec.policies.fixed import FixedK
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.decoding.speculative import DraftBlock
 from steerspec.steering import DrafterSteering, attach_steering
-from steerspec.decoding.trees import parse_tree
+from steerspec.serving.block_mode import parse_mode
 
 LOGIT_TOL = dict(atol=1e-5, rtol=1e-5)
 Q_TOL = dict(atol=1e-5, rtol=1e-3)  # fp32 noise, or one fp16 ulp where it crossed a rounding boundary
@@ -341,7 +341,7 @@ def _open_trees(drafter: Drafter, model, vectors, specs) -> list:
     for i, (p, prompt, g, spec) in enumerate(zip(params, prompts, vectors, specs)):
         sessions.append(table.open(f"t{i}", committed=list(prompt), open_length=len(prompt), params=p,
                                    generator=torch.Generator().manual_seed(70 + i), k=4, draft_top_k=32,
-                                   policy=FixedK(4), max_new_tokens=0, steering=g, tree=parse_tree(spec)))
+                                   policy=FixedK(4), max_new_tokens=0, steering=g, mode=parse_mode(tree=spec)))
     return sessions
 
 
