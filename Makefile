@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # The fast loop: pure math, models, policies and each service alone, without the slow, Redis, Ray, real-pair
 # and GPU tests (about a minute on 2 cores). `make test` still runs everything.
-FAST_DIRS := tests/test_layering.py tests/decoding tests/models tests/policies tests/steering tests/sprinter \
+FAST_DIRS := tests/test_layering.py tests/blocks tests/decoding tests/models tests/policies tests/steering tests/sprinter \
              tests/data tests/serving tests/observability tests/drafter_service tests/verifier_service
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider \

@@ -120,7 +120,7 @@ Item = Union[Chunk, Summary]
 
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
-             steering, session_id, verification="exact", tree="") -> coordinator_pb2.GenerateRequest:
+             steering, session_id, verification="exact", tree="", block_kind="") -> coordinator_pb2.GenerateRequest:
     # lazy: the SDK imports without torch
     from steerspec.decoding.trees import parse_tree
     from steerspec.sprinter.spec import parse_verification
@@ -134,7 +134,8 @@ def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, s
         prompt=prompt or "", prompt_ids=list(prompt_ids or []), max_new_tokens=max_new_tokens,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed, k=k,
         draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
-        session_id=session_id or uuid.uuid4().hex, verification=verification, tree=tree or "")
+        session_id=session_id or uuid.uuid4().hex, verification=verification, tree=tree or "",
+        block_kind=block_kind or "")
 
 
 class _Dedup:
@@ -271,13 +272,16 @@ class Client:
                  seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
                  policy: str = "fixed",
                  steering: bool = False, session_id: Optional[str] = None,
-                 timeout: Optional[float] = None, verification: str = "exact", tree: str = "") -> Iterator[Item]:
+                 timeout: Optional[float] = None, verification: str = "exact", tree: str = "",
+                 block_kind: str = "") -> Iterator[Item]:
         """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator). `tree`: a draft tree's
-        rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy."""
+        rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy. `block_kind`: a block
+        kind registered on the services outside the bundled ones (steerspec/blocks/), by name."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
-                           steering=steering, session_id=session_id, verification=verification, tree=tree)
+                           steering=steering, session_id=session_id, verification=verification, tree=tree,
+                           block_kind=block_kind)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0
@@ -307,12 +311,13 @@ class Client:
                         seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
                         policy: str = "fixed", steering: bool = False, session_id: Optional[str] = None,
                         timeout: Optional[float] = None, verification: str = "exact",
-                        tree: str = "") -> AsyncIterator[Item]:
+                        tree: str = "", block_kind: str = "") -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
-                           steering=steering, session_id=session_id, verification=verification, tree=tree)
+                           steering=steering, session_id=session_id, verification=verification, tree=tree,
+                           block_kind=block_kind)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0

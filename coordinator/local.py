@@ -191,13 +191,14 @@ class LocalCluster:
                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
                        mode: str = "speculative", policy: str = "fixed", steering: bool = False,
                        session_id: str = "", timeout: Optional[float] = None,
-                       verification: str = "exact", tree: str = "") -> DistributedResult:
+                       verification: str = "exact", tree: str = "", block_kind: str = "") -> DistributedResult:
         """One generation driven by this process's coordinator (no client hop); returns its result."""
         check_verification(verification, self.allow_lossy)
         request = SessionRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                  sampling=SamplingParams(temperature, top_k, top_p), seed=seed, k=k,
                                  draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
-                                 session_id=session_id, verification=verification, tree=tree).validate()
+                                 session_id=session_id, verification=verification, tree=tree,
+                                 block_kind=block_kind).validate()
         await self.coordinator.store.create_session(request.session_id, request.params(), {})
         deadline = None if timeout is None else time.monotonic() + timeout
         loop = SessionLoop(request, self.coordinator.config, deadline=deadline)

@@ -44,18 +44,18 @@ from redis.exceptions import RedisError
 from coordinator.placement import Placer, registered_identity
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
+from steerspec.blocks.block_kind import BlockKind
+from steerspec.blocks.block_mode import BlockMode, ModeError, parse_mode
+from steerspec.blocks.kinds import kind_of
 from steerspec.decoding import rounds
 from steerspec.decoding.sampling import SamplingParams
-from steerspec.decoding.trees import cut_to_depth, prefix, q_parents
 from steerspec.observability.tracing import BLOCK_SPAN, traceparent
 from steerspec.policies.base import MAX_K
 from steerspec.policies.registry import PolicyError
 from steerspec.serving import wire
 from steerspec.serving.identity import ModelIdentity, compatible, drafter_fix, mismatch_message, pair_differences
-from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.linkemu import NO_LINK, LinkModel
 from steerspec.serving.store import Endpoint, InProcessStore, Store
-from steerspec.sprinter.labels import SprinterTally
 from steerspec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -78,28 +78,6 @@ def _stream_error(kind: str, address: str, error: common_pb2.StreamError) -> Exc
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ReplicaLost(kind, address, f"full: {error.message}", full=True)
     return SessionError(code, f"{kind} {address}: {error.message}")
-
-
-def _truncate_block(block: common_pb2.DraftBlock, k: int, tree=None) -> None:
-    """Keep at most k draft tokens (and their rows of q) so the block fits the session's room. `tree`: the
-    session's draft tree, whose blocks may carry one q row per parent (`trees.q_parents`); a cut keeps the rows
-    of the first k nodes' parents, which come first."""
-    k = max(k, 0)
-    if len(block.draft_ids) <= k:
-        return
-    rows = k
-    if tree is not None and block.HasField("q") and block.q.support:
-        if len(block.q.ids) != len(block.draft_ids) * block.q.support:  # one row per parent
-            rows = len(q_parents(prefix(tree, k)))
-    del block.draft_ids[k:]
-    block.head_kept = min(int(block.head_kept), k)
-    if block.HasField("q"):
-        if k == 0:
-            block.ClearField("q")
-        else:
-            support = block.q.support
-            del block.q.ids[rows * support:]
-            block.q.probs = block.q.probs[:rows * support * 2]  # fp16 rows
 
 
 DEADLINE_SLACK_S = 0.05  # a replica error this close to the deadline is the deadline's
@@ -149,17 +127,19 @@ class SessionRequest:
     session_id: str = ""
     verification: str = "exact"  # "block" (exact), or "sprinter[:...]" (lossy; admitted only with --allow-lossy)
     tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/decoding/trees.py)
+    block_kind: str = ""  # a block kind registered outside the bundled ones, by name (steerspec/blocks/)
 
     _mode: Optional[BlockMode] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def block_mode(self) -> BlockMode:
         """The request's mode (kind, verification rule, policy, block limit), parsed once from its fields by
-        `serving.block_mode.parse_mode`; SessionError INVALID_ARGUMENT naming the bad field."""
+        `blocks.block_mode.parse_mode`; SessionError INVALID_ARGUMENT naming the bad field."""
         if self._mode is None:
             try:
                 self._mode = parse_mode(speculative=self.mode == "speculative", k=self.k, tree=self.tree,
-                                        verification=self.verification, policy=self.policy)
+                                        verification=self.verification, policy=self.policy,
+                                        block_kind=self.block_kind)
             except ModeError as exc:
                 raise _invalid(str(exc)) from None
         return self._mode
@@ -203,6 +183,7 @@ class SessionRequest:
                            "lower its k/max/gmax")
         self.tree, self.verification, self.policy, self.k = mode.tree_spec, mode.verification.spec(), mode.policy, \
             mode.k
+        self.block_kind = mode.custom
         if not self.session_id:
             self.session_id = uuid.uuid4().hex
         return self
@@ -213,7 +194,7 @@ class SessionRequest:
                 "temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                 "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
                 "mode": self.mode, "policy": self.policy, "steering": self.steering,
-                "verification": self.verification, "tree": self.tree}
+                "verification": self.verification, "tree": self.tree, "block_kind": self.block_kind}
 
     @classmethod
     def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
@@ -221,7 +202,8 @@ class SessionRequest:
                    sampling=SamplingParams(float(p["temperature"]), int(p["top_k"]), float(p["top_p"])),
                    seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
                    policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id,
-                   verification=str(p.get("verification", "exact")), tree=str(p.get("tree", "")))
+                   verification=str(p.get("verification", "exact")), tree=str(p.get("tree", "")),
+                   block_kind=str(p.get("block_kind", "")))
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         s = self.sampling
@@ -259,12 +241,11 @@ class SessionLoop:
                                         prompt_tokens=len(self.prompt), session_id=request.session_id,
                                         resumes=resumes, restored=len(self.generated),
                                         verification=request.verification)
-        if request.lossy:  # the verifier's labels of every run, tallied as in-process SPRINTER tallies them
-            self.result.sprinter = SprinterTally(max_run=request.block_mode.verification.max_run)
+        self.mode = request.block_mode  # what the session decodes with; the verifier alone once no drafter is left
+        self.result.sprinter = self.kind.tally(self.mode)  # SPRINTER: the verifier's labels of every run
         self.link = config.link.link(request.session_id)
         self.verifier: Optional[Stream] = None
         self.drafter: Optional[Stream] = None
-        self.use_drafter = request.mode == "speculative"
         self.steering: Optional[common_pb2.Tensor] = None
         self.verifier_model: Optional[ModelIdentity] = None  # what the open verifier serves (its VerifyReady)
         self.verify_seq = 0  # seq of the next block on the current verifier stream
@@ -274,9 +255,17 @@ class SessionLoop:
         self._draft_asked = 0.0  # when the drafter was last asked for a block (open or feedback)
         self._block_span = None  # the span of the block asked for last (tracing on only)
         self.policy_state = ""  # the drafter policy's last reported state (JSON): a reopened drafter resumes it
-        self.tree = request.block_mode.tree  # parsed once: every block is cut and walked on it
 
     # -- helpers ----------------------------------------------------------------------------
+    @property
+    def kind(self) -> BlockKind:
+        """The session's block kind now (steerspec/blocks/): how its blocks are cut, committed and tallied."""
+        return kind_of(self.mode)
+
+    @property
+    def use_drafter(self) -> bool:
+        return self.mode.speculative
+
     @property
     def committed(self) -> List[int]:
         return self.prompt + self.generated
@@ -391,8 +380,8 @@ class SessionLoop:
             stream = Stream("verifier", address, call)
             opening = verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
-                seed=self._stream_seed(), max_k=self.req.block_limit if self.use_drafter else 0, steering=self.req.steering,
-                verification=self.req.verification, tree=self.req.tree if self.use_drafter else ""))
+                seed=self._stream_seed(), max_k=self.mode.block_limit, steering=self.req.steering,
+                verification=self.mode.verification.spec(), tree=self.mode.tree_spec, block_kind=self.mode.custom))
             if self.cfg.model is not None:
                 opening.open.client_model.CopyFrom(wire.identity_to_proto(self.cfg.model))
             try:
@@ -431,7 +420,7 @@ class SessionLoop:
             address = await self._place("drafter")
             if address is None:
                 log.warning("session %s: no drafter left, continuing verifier-only", self.req.session_id)
-                self.use_drafter = False
+                self.mode = self.mode.alone()
                 if self.verifier is not None:
                     await self._checkpoint_placement()
                 return
@@ -439,9 +428,10 @@ class SessionLoop:
             stream = Stream("drafter", address, call)
             opening = drafter_pb2.DraftOpen(
                 session_id=self.req.session_id, prompt_ids=self.committed, sampling=self.req.sampling_proto(),
-                seed=self._stream_seed(), k=self.req.block_limit, draft_top_k=self.req.draft_top_k, policy=self.req.policy,
-                max_new_tokens=self.remaining, policy_state=self.policy_state,
-                traceparent=self._begin_block_span(), verification=self.req.verification, tree=self.req.tree)
+                seed=self._stream_seed(), k=self.mode.block_limit, draft_top_k=self.req.draft_top_k,
+                policy=self.mode.policy, max_new_tokens=self.remaining, policy_state=self.policy_state,
+                traceparent=self._begin_block_span(), verification=self.mode.verification.spec(),
+                tree=self.mode.tree_spec, block_kind=self.mode.custom)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             if self.verifier_model is not None:
@@ -544,12 +534,13 @@ class SessionLoop:
                     span = self._take_block_span()
                     if span is not None:
                         block.traceparent = traceparent(span)  # the verifier's spans become its children
-                    _truncate_block(block, self._block_room(), self.tree)  # a block commits at most k + 1 tokens
-                    kept, finish = self._commit_kept(block)
+                    kind = self.kind
+                    kind.cut(self.mode, block, kind.room(self.mode, self.room))  # at most room tokens committed
+                    kept, finish = self._commit_early(block)
                     if kept:  # SPRINTER: the classifier's tokens reach the client before the verifier call
                         yield Chunk(seq=self.result.rounds, token_ids=kept, accepted=len(kept), drafted=len(kept))
                     if finish:  # an EOS among them: no verifier call
-                        self._tally_run(block, None)  # the classifier's run counts; its tokens go unlabelled
+                        kind.count(self.result.sprinter, block, None)  # the run counts; its tokens go unlabelled
                         if span is not None:
                             span.end()
                         break
@@ -567,13 +558,13 @@ class SessionLoop:
                 drafted = len(block.draft_ids)
                 accepted = int(result.accepted)
                 n_kept = len(kept)
-                self._tally_run(block, result)
+                kind.count(self.result.sprinter, block, result)
                 if not n_kept <= accepted <= drafted or \
                         result.committed_length != self.committed_length - n_kept + accepted + 1:
                     raise SessionError(grpc.StatusCode.INTERNAL,
                                        f"verifier result does not match the block (accepted {accepted} of {drafted}, "
                                        f"{n_kept} kept, committed_length {result.committed_length})")
-                drafts = self._accepted_drafts(block, result)
+                drafts = self._accepted_drafts(kind, block, result)
                 new, stop = rounds.commit_block(drafts[n_kept:], accepted - n_kept, result.next_token,
                                                 self.room, self.remaining, self.cfg.eos_ids)
                 finish = stop or ""
@@ -614,47 +605,24 @@ class SessionLoop:
             for kind, address in list(self._placed):
                 self._unplace(kind, address)
 
-    def _block_room(self) -> int:
-        """Draft tokens the next block may keep: room - 1 for a chain; for a tree, its nodes down to depth
-        room - 1 (a breadth-first prefix: the cut the in-process engine makes near the budget)."""
-        if self.tree is None or not self.use_drafter:
-            return self.room - 1
-
-        return cut_to_depth(self.tree, self.room - 1).size
-
-    def _accepted_drafts(self, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> List[int]:
-        """The block's drafts in commit order: a chain's own, a tree's along the accepted path."""
-        if self.tree is None or not self.use_drafter:
-            return list(block.draft_ids)
-
+    def _accepted_drafts(self, kind: BlockKind, block: common_pb2.DraftBlock,
+                         result: common_pb2.VerifyResult) -> List[int]:
+        """The block's drafts in commit order (`BlockKind.accepted_drafts`: a chain's own, a tree's path)."""
         try:
-            wire.check_path(prefix(self.tree, len(block.draft_ids)), list(result.path),
-                            int(result.accepted), int(block.seq))
+            return kind.accepted_drafts(self.mode, block, result)
         except wire.ProtocolError as exc:
             raise SessionError(grpc.StatusCode.INTERNAL, f"verifier {self.verifier.address}: {exc.message}") from None
-        return [int(block.draft_ids[node]) for node in result.path]
 
-    def _commit_kept(self, block: common_pb2.DraftBlock) -> Tuple[List[int], str]:
-        """SPRINTER: commit the block's kept tokens now, before its verifier call (the run's last token is
-        always verified) -> (tokens committed, finish reason or "")."""
-        block.kept = min(int(block.kept), max(len(block.draft_ids) - 1, 0))  # after a truncation too
-        if not block.kept:
+    def _commit_early(self, block: common_pb2.DraftBlock) -> Tuple[List[int], str]:
+        """Commit the drafts the kind commits before its verifier call (SPRINTER's kept tokens; the run's last
+        token is always verified) -> (tokens committed, finish reason or "")."""
+        early = self.kind.commit_early(block)
+        if not early:
             return [], ""
-        new, stop = rounds.commit_tokens(block.draft_ids[:block.kept], self.room, self.remaining, self.cfg.eos_ids)
+        new, stop = rounds.commit_tokens(block.draft_ids[:early], self.room, self.remaining, self.cfg.eos_ids)
         self.generated.extend(new)
         self.cfg.store.append_tokens(self.req.session_id, new)
         return new, stop or ""
-
-    def _tally_run(self, block: common_pb2.DraftBlock, result: Optional[common_pb2.VerifyResult]) -> None:
-        """SPRINTER: add the run's labels (VerifyResult.sprinter, not forwarded to the drafter; None: the run
-        had no verifier call) and the number of tokens the drafter's classifier kept to the session's tally."""
-        tally = self.result.sprinter
-        if tally is None:
-            return
-        if result is not None and result.HasField("sprinter"):
-            tally.add_labels(wire.decode_labels(result.sprinter))
-            result.ClearField("sprinter")
-        tally.run_lengths.append(max(int(block.head_kept), int(block.kept)))
 
     def _begin_block_span(self) -> str:
         """Start the span of the block being asked for now; its traceparent for the drafter ("" untraced)."""

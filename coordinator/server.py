@@ -200,7 +200,8 @@ class Coordinator:
             sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 4)),
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
             mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "fixed")), steering=bool(request.steering),
-            session_id=request.session_id, verification=request.verification or "exact", tree=request.tree).validate()
+            session_id=request.session_id, verification=request.verification or "exact", tree=request.tree,
+            block_kind=request.block_kind).validate()
 
     async def generate(self, request: SessionRequest, deadline: Optional[float] = None):
         """Async iterator of GenerateResponse for one session (resumes a checkpointed session_id)."""

@@ -27,27 +27,22 @@ from drafter_service.draft_sessions import (
     DrafterSession,
     DrafterSessionTable,
     Proposal,
-    SprinterRun,
     load_policy_state,
     policy_state,
     resolve_policy,
 )
+from steerspec.blocks.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.decoding import rounds
 from steerspec.decoding.sampling import MAX_DRAFT_TOP_K
-from steerspec.decoding.trees import prefix
-from steerspec.errors import UsageError
-from steerspec.models.kv import FastCachedLM, prepare_weight_copies
+from steerspec.models.kv import prepare_weight_copies
 from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.serving import wire
-from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.compute import inline_compute
 from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 from steerspec.serving.identity import ModelIdentity, describe_model, drafter_fix, mismatch_message, pair_differences
 from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.serving.wire import ProtocolError, code_number
-from steerspec.sprinter.classifier import resolve_head
-from steerspec.sprinter.decoding import SprinterScorer
 from steerspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,11 +62,11 @@ class DrafterConfig:
 
 
 def _mode(msg: drafter_pb2.DraftOpen, default_policy: str) -> BlockMode:
-    """DraftOpen's mode (`serving.block_mode.parse_mode`: k, tree, verification, the policy or this drafter's
+    """DraftOpen's mode (`blocks.block_mode.parse_mode`: k, tree, verification, the policy or this drafter's
     default); INVALID_ARGUMENT naming the bad field."""
     try:
         return parse_mode(k=int(msg.k) or DEFAULT_K, tree=msg.tree, verification=msg.verification,
-                          policy=msg.policy, default_policy=default_policy)
+                          policy=msg.policy, default_policy=default_policy, block_kind=msg.block_kind)
     except ModeError as exc:
         raise wire.invalid(str(exc)) from None
 
@@ -88,14 +83,13 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     def __init__(self, model, config: DrafterConfig, hooks=None) -> None:
         self.model = model
         self.config = config
-        self.drafter = Drafter(model, hooks)
+        self.drafter = Drafter(model, hooks, config.sprinter_head, config.model_name)
         self.vocab_size = self.drafter.vocab_size
         self.identity = config.identity or describe_model(
             model, config.model_name, steering=getattr(hooks, "steering", None), role="drafter")
         self.table = DrafterSessionTable(model, config.max_sessions)
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
                                     max_batch=config.max_sessions, inline=inline_compute(model))
-        self._head = None  # the SPRINTER head, loaded by the first lossy session
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
@@ -165,12 +159,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         mode = _mode(msg, self.config.policy)
-        tree, verification = mode.tree, mode.verification
-        if tree is not None and not FastCachedLM.supports(self.model):
-            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this drafter's architecture ({type(self.model).__name__}) has no lean KV cache, "
-                                "which a draft tree needs: open the session without a tree")
-        loaded = self._sprinter_head() if mode.lossy else None
         k = mode.draft_depth  # a tree's depth or a run's max_run, cut near the budget and the context like k
         spec = mode.policy  # `fixed` where the kind's shape sets the length (a tree; SPRINTER's runs)
         policy = resolve_policy(spec, k, self.table.model)
@@ -186,9 +174,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
                                   mode=mode)
-        if loaded is not None:
-            threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
-            session.sprinter = SprinterRun(SprinterScorer(loaded.head, session.lm), threshold, loaded.lam)
+        try:
+            session.kind.open_drafter(self.drafter, session)
+        except BaseException:
+            self.table.close(session)
+            raise
         return session
 
     def _check_verifier(self, msg: drafter_pb2.DraftOpen) -> None:
@@ -202,16 +192,6 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(
                 verifier, self.identity, "drafter", differences, drafter_fix(differences)))
 
-    def _sprinter_head(self):
-        """The SPRINTER head of this drafter (loaded once); FAILED_PRECONDITION naming the drafter without one."""
-        if self._head is None:
-            drafter_dir = getattr(self.model, "name_or_path", "") or self.config.model_name
-            try:
-                self._head = resolve_head(drafter_dir, self.config.sprinter_head, device=self.model.device)
-            except UsageError as exc:
-                raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        return self._head
-
     async def _propose(self, session: DrafterSession, traceparent: str = "") -> drafter_pb2.DraftResponse:
         """Draft the session's next block; its span is a child of the coordinator's block span."""
         start_ns = time.time_ns()
@@ -222,9 +202,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                     draft_ms=out.draft_ms, fed=out.fed)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
-        block.kept = out.kept
-        if session.sprinter is not None:
-            block.head_kept, block.sprinter_lambda = out.head_kept, session.sprinter.lam
+        session.kind.encode_block(session, out, block)
         block.policy_state = policy_state(session.policy)
         if getattr(session.policy, "warm_start", False):
             self._warm[session.policy_spec] = block.policy_state
@@ -255,10 +233,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if not 0 <= result.next_token < self.vocab_size:
             raise wire.invalid(f"result.next_token {result.next_token} is outside the vocabulary "
                                f"[0, {self.vocab_size})")
-        if proposal.fed is not None:
-            wire.check_path(prefix(session.tree, k), list(result.path), int(result.accepted), proposal.seq)
-        elif result.is_bonus != (result.accepted == k):
-            raise wire.invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
+        session.kind.check_feedback(session, result)
         expected = proposal.committed_length + result.accepted + 1
         if result.committed_length != expected:
             raise wire.invalid(f"result.committed_length {result.committed_length} does not match the block: "

@@ -4,7 +4,7 @@ Layers, lowest first; a module imports only its own layer and those below it:
 
     steerspec.errors, steerspec.v1 (the generated protos)
     < steerspec.data < steerspec.models < steerspec.policies < steerspec.decoding < steerspec.steering
-    < steerspec.sprinter < steerspec.observability < steerspec.serving < steerspec.train
+    < steerspec.sprinter < steerspec.observability < steerspec.serving < steerspec.blocks < steerspec.train
     < drafter_service | verifier_service (neither imports the other)
     < coordinator (of which only the deployment modules start the services)
     < steerspec.cli < steerspec.bench < steerspec.__main__
@@ -43,6 +43,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("steerspec.sprinter",),
     ("steerspec.observability",),
     ("steerspec.serving",),
+    ("steerspec.blocks",),
     ("steerspec.train",),
     ("drafter_service", "verifier_service"),
     ("coordinator",),

@@ -20,20 +20,20 @@ from typing import List, Optional, Tuple
 import grpc
 import torch
 
+from steerspec.blocks.block_mode import BlockMode, ModeError, parse_mode
+from steerspec.blocks.kinds import kind_of
 from steerspec.decoding import rounds
 from steerspec.models.kv import prepare_weight_copies
 from steerspec.models.loading import context_length
 from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K
 from steerspec.serving import wire
-from steerspec.serving.block_mode import BlockMode, ModeError, parse_mode
 from steerspec.serving.compute import inline_compute
 from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 from steerspec.serving.identity import ModelIdentity, describe_model, mismatch_message, tokenizer_differences
 from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
 from steerspec.serving.wire import ProtocolError, code_number
 from steerspec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service import tree_verify
 from verifier_service.verify_batcher import Batcher, VerifyRunner
 from verifier_service.verify_jobs import VerifyJob
 from verifier_service.verify_sessions import SessionTable, VerifierSession
@@ -141,13 +141,13 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         generator = rounds.generator(rounds.verifier_seed(msg.seed), self.device)
         prompt_ids = prompt.tolist()
         mode = _mode(msg)
-        session = self.table.open(msg.session_id, len(prompt_ids), max(max_k, mode.tree.size if mode.tree else 0),
+        kind = kind_of(mode)
+        session = self.table.open(msg.session_id, len(prompt_ids), kind.max_block(mode, max_k),
                                   pending=prompt_ids[-1], params=params, generator=generator,
                                   steering=bool(msg.steering), mode=mode)
         start = time.perf_counter()
         try:
-            if mode.tree is not None:
-                tree_verify.check_session(session.lm)
+            kind.open_verifier(session)
             steering = await self._prefill(session, prompt_ids)
         except BaseException:
             self.table.close(session)
@@ -187,8 +187,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         return await self.batcher.run_compute(self.runner.prefill, session, prompt_ids, done, hold=(session,))
 
     def _check_block(self, session: VerifierSession,
-                     msg: common_pb2.DraftBlock) -> Tuple[wire.WireBlock, Optional[tree_verify.TreeBlock]]:
-        """The decoded block, and a tree session's `TreeBlock` (checked once here, reused by the batch)."""
+                     msg: common_pb2.DraftBlock) -> Tuple[wire.WireBlock, Optional[object]]:
+        """The decoded block, and what its kind checked (`BlockKind.admit`, once here, reused by the batch)."""
         if session.last_seq is not None and msg.seq != session.last_seq + 1:
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"wrong seq {msg.seq}: the last verified block was {session.last_seq}, "
@@ -205,24 +205,18 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
             raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
                                 f"block {msg.seq} would take the sequence to {session.committed + k} tokens; the "
                                 f"verifier's context is {self.context}: draft fewer tokens or stop")
-        shape = None if session.tree is None else tree_verify.block_shape(session.tree, k, msg.seq)
-        block = wire.decode_block(msg, self.vocab_size, session.greedy, shape)
-        tree = None if shape is None else tree_verify.check_block(shape, block, session.greedy)
-        if block.kept and not session.sprinter:
-            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"block {msg.seq} marks {block.kept} tokens as kept without verification, but this "
-                                "session verifies exactly; open it with verification 'sprinter' (lossy) or send kept=0")
+        block, checked = session.kind.admit(session, msg, self.vocab_size)
         self.table.reserve(session, session.committed + k)
-        return block, tree
+        return block, checked
 
     async def handle(self, session: VerifierSession, msg: common_pb2.DraftBlock) -> verifier_pb2.VerifyResponse:
         """Verify one block (batched with concurrent sessions' blocks); a bad block gets a StreamError."""
         try:
-            block, tree = self._check_block(session, msg)
+            block, checked = self._check_block(session, msg)
         except ProtocolError as exc:
             return _error(exc.code, exc.message, msg.seq)
         start_ns = time.time_ns()
-        result = await self.batcher.submit(VerifyJob(session=session, block=block, tree=tree))
+        result = await self.batcher.submit(VerifyJob(session=session, block=block, checked=checked))
         committed = session.committed + result.accepted + 1
         session.committed = committed
         session.pending = result.next_token
@@ -235,10 +229,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                       batch_size=result.batch_size)
         if result.steering is not None:
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
-        if result.labels is not None:
-            out.sprinter.CopyFrom(wire.encode_labels(result.labels))
-        if result.path is not None:
-            out.path.extend(result.path)
+        session.kind.encode_result(result, out)
         if self._tracer is not None and self._tracing is not None:
             self._record_spans(start_ns, result, block, msg.ByteSize(), msg.traceparent)
         return verifier_pb2.VerifyResponse(result=out)
@@ -256,10 +247,10 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
 
 
 def _mode(msg: verifier_pb2.VerifyOpen) -> BlockMode:
-    """VerifyOpen's mode (`serving.block_mode.parse_mode` of its tree and verification); INVALID_ARGUMENT naming
+    """VerifyOpen's mode (`blocks.block_mode.parse_mode` of its tree and verification); INVALID_ARGUMENT naming
     the bad field."""
     try:
-        return parse_mode(tree=msg.tree, verification=msg.verification)
+        return parse_mode(tree=msg.tree, verification=msg.verification, block_kind=msg.block_kind)
     except ModeError as exc:
         raise wire.invalid(str(exc)) from None
 

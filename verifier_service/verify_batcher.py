@@ -19,18 +19,15 @@ seeded sampling does not depend on who shared the batch.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from steerspec.decoding import verifying
-from steerspec.decoding.verifying import VerifyRow
-from steerspec.models.batched import packed_extend
 from steerspec.models.kv import FastCachedLM
 from steerspec.models.loading import cache_kwarg
 from steerspec.serving.batching import WindowBatcher
-from verifier_service import fast_verify, sprinter_verify, tree_verify
+from verifier_service import fast_verify
 from verifier_service.verify_jobs import JobResult, VerifyJob
 from verifier_service.verify_sessions import VerifierSession
 
@@ -46,7 +43,7 @@ class VerifyRunner:
         self._cache_arg = cache_kwarg(model)  # the name transformers' forward takes the KV cache by
 
     # ------------------------------------------------------------------ helpers
-    def _steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
+    def steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
         """g [B, d_V] from the hidden states entering the head's layers at (row, position)."""
         head_device = next(self.head.parameters()).device  # layers may sit on several GPUs (--device-map)
         feats = torch.cat([hidden_states[layer][rows, positions].to(head_device, torch.float32)
@@ -87,64 +84,40 @@ class VerifyRunner:
                          output_hidden_states=True)
         lm.length += len(feed)
         zero = torch.zeros(1, dtype=torch.long)
-        return self._steering(out.hidden_states, zero, zero + len(feed) - 1)[0]
+        return self.steering(out.hidden_states, zero, zero + len(feed) - 1)[0]
 
     # ------------------------------------------------------------------ verify
     @torch.inference_mode()
     def run(self, jobs: List[VerifyJob]) -> List[JobResult]:
-        """Verify every job's block in one forward pass; roll each cache back; return results."""
-        if any(job.session.tree is not None for job in jobs):  # draft trees: one call each, as in-process
-
-            return tree_verify.run_mixed(self, jobs)
-        if any(job.session.sprinter for job in jobs):  # lossy SPRINTER runs: one call each, as in-process
-
-            return sprinter_verify.run_mixed(self, jobs)
-        if fast_verify.applies([job.session.lm for job in jobs]) and \
-                all(job.session.acceptance == "token" for job in jobs):  # one host copy per batch (CUDA)
-            return fast_verify.run(self, jobs)
-        start = time.perf_counter()
-        batch = len(jobs)
-        feeds = [[job.session.pending, *job.block.draft_ids.tolist()] for job in jobs]
-        want_hidden = self.head is not None and any(job.session.steering for job in jobs)
-        packed = all(isinstance(job.session.lm, FastCachedLM) for job in jobs)
-        if packed:
-            outs = packed_extend([job.session.lm for job in jobs], feeds,
-                                 fast_verify.head_layers(self) if want_hidden else None)
-            logits: Sequence[Tensor] = [out.logits for out in outs]
-        elif batch == 1:
-            logits, hidden_states = self._forward_single(jobs[0].session, feeds[0], want_hidden)
-        else:
-            logits, hidden_states, new_kv = self._forward_batch(jobs, feeds, want_hidden)
-        accepted, next_tokens, is_bonus = self._accept(jobs, logits)
-        steering: List[Optional[Tensor]] = [None] * batch
-        if want_hidden:
-            if packed:  # [B, L, D] at each row's new-pending position
-                g = fast_verify.steering_vectors(self, torch.stack([out.hidden[:, a] for out, a in zip(outs, accepted)]))
-            else:
-                g = self._steering(hidden_states, torch.arange(batch), torch.tensor(accepted))
-            steering = [g[i] if job.session.steering else None for i, job in enumerate(jobs)]
-        # keep the accepted positions: the verifier cache ends at committed + a (pending excluded)
+        """Verify a batch: each block kind's jobs together in its own pass (`BlockKind.verify`); results in job
+        order."""
+        groups: Dict[str, List[int]] = {}
         for i, job in enumerate(jobs):
-            session = job.session
-            if session.closed:
-                continue
-            if packed or batch == 1:  # fed pending + k drafts onto n - 1 cached tokens; keep n + a
-                session.lm.rollback(session.committed + accepted[i])
-            else:
-                cache = session.lm.cache
-                for layer, (k, v) in enumerate(new_kv):
-                    cache.update(k[i : i + 1, :, : accepted[i] + 1], v[i : i + 1, :, : accepted[i] + 1], layer)
-                session.lm.length += accepted[i] + 1
+            groups.setdefault(job.session.kind.name, []).append(i)
+        results: List[Optional[JobResult]] = [None] * len(jobs)
+        for indices in groups.values():
+            kind = jobs[indices[0]].session.kind
+            for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
+                results[i] = result
+        return results
+
+    # ------------------------------------------------------------------ machinery the kinds use
+    def head_layers(self) -> Optional[List[int]]:
+        """The verifier layers whose input hidden states feed the SD² head (None without a head)."""
+        return None if self.head is None else [int(layer) for layer in self.head.layers]
+
+    def steering_vectors(self, states: Tensor) -> Tensor:
+        """g [B, d_V] from hidden states [B, L, D] entering the head's layers (concatenated in order)."""
+        head_device = next(self.head.parameters()).device
+        return self.head(states.reshape(states.shape[0], -1).to(head_device, torch.float32)).float()
+
+    def sync(self) -> None:
+        """Wait for the device (CUDA) so a pass's time is its own."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        verify_ms = (time.perf_counter() - start) * 1e3
-        return [
-            JobResult(accepted=accepted[i], next_token=next_tokens[i], is_bonus=is_bonus[i], steering=steering[i],
-                      queue_ms=(start - job.submitted) * 1e3, verify_ms=verify_ms, batch_size=batch)
-            for i, job in enumerate(jobs)
-        ]
 
-    def _forward_single(self, session: VerifierSession, feed: List[int], want_hidden: bool):
+    def forward_single(self, session: VerifierSession, feed: List[int], want_hidden: bool):
+        """One session's rows through transformers' cache -> (logits [1, n, V], hidden states or None)."""
         lm = session.lm
         if not want_hidden:
             return lm.extend(feed).logits.unsqueeze(0), None
@@ -158,7 +131,8 @@ class VerifyRunner:
         lm.length += len(feed)
         return out.logits, out.hidden_states
 
-    def _forward_batch(self, jobs: List[VerifyJob], feeds: List[List[int]], want_hidden: bool):
+    def forward_batch(self, jobs: List[VerifyJob], feeds: List[List[int]], want_hidden: bool):
+        """Ragged sessions on transformers' caches, right-padded into one pass -> (logits, hidden, new K/V)."""
         # lazy: transformers takes seconds to import
         from transformers import DynamicCache
 
@@ -194,18 +168,6 @@ class VerifyRunner:
                          output_hidden_states=want_hidden)
         new_kv = [(lay.keys[:, :, l_max:], lay.values[:, :, l_max:]) for lay in cache.layers]
         return out.logits, out.hidden_states, new_kv
-
-    def _accept(self, jobs: List[VerifyJob], logits: Sequence[Tensor]):
-        """Every session's acceptance in one call (steerspec/decoding/verifying.py; one generator per row)."""
-        rows = []
-        for i, job in enumerate(jobs):
-            q = job.block.q if not job.session.greedy else None
-            device = logits[i].device
-            rows.append(VerifyRow(logits[i], torch.from_numpy(job.block.draft_ids).to(device),
-                                  None if q is None else q.map(lambda t: t.to(device)),
-                                  job.session.params, job.session.generator, job.session.acceptance))
-        outcome = verifying.accept(rows)
-        return outcome.accepted.tolist(), outcome.next_tokens.tolist(), outcome.is_bonus.tolist()
 
 
 class Batcher(WindowBatcher[VerifyJob, JobResult]):

@@ -16,12 +16,13 @@ import torch
 
 from steerspec.decoding import fastpath
 from steerspec.decoding.sampling import SamplingParams
-from steerspec.decoding.trees import TreeShape
 from steerspec.models.backends import cached_lm
 from steerspec.models.kv import CachedLM, FastCachedLM
 from steerspec.models.loading import kv_bytes_per_token
 from steerspec.serving.batching import free_cache
-from steerspec.serving.block_mode import EXACT_CHAIN, BlockMode
+from steerspec.blocks.block_kind import BlockKind
+from steerspec.blocks.block_mode import EXACT_CHAIN, BlockMode
+from steerspec.blocks.kinds import kind_of
 from steerspec.serving.wire import ProtocolError
 
 KV_BACKENDS = ("auto", "fast", "hf")
@@ -34,15 +35,16 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def session_lm(model, backend: str = "auto", tree: bool = False) -> CachedLM:
+def session_lm(model, backend: str = "auto", lean: bool = False) -> CachedLM:
     """A session's verifier cache (`--kv-backend`). auto: graphed/fast when the device path serves
     this model, the lean FastCachedLM on the host path (a CPU; `VerifyRunner.run` packs its
     batches), the transformers cache for architectures the fast forward does not cover. fast: a
-    FastCachedLM on either path. hf: the transformers cache (its padded batched pass). A draft-tree
-    session (`tree`) gets a FastCachedLM on any device: the graphed static pool takes no tree."""
+    FastCachedLM on either path. hf: the transformers cache (its padded batched pass). A session whose
+    block kind needs the lean cache (`lean`: draft trees) gets a FastCachedLM on any device: the graphed static pool
+    takes no tree."""
     if check_backend(backend) == "hf" or not FastCachedLM.supports(model):
         return CachedLM(model)
-    if tree:
+    if lean:
         return FastCachedLM(model)
     return cached_lm(model) if backend == "auto" and fastpath.enabled(model.device) else FastCachedLM(model)
 
@@ -72,14 +74,9 @@ class VerifierSession:
         return self.params.greedy
 
     @property
-    def sprinter(self) -> bool:
-        """A lossy SPRINTER session: blocks may carry kept tokens (verifier_service/sprinter_verify.py)."""
-        return self.mode.lossy
-
-    @property
-    def tree(self) -> Optional[TreeShape]:
-        """A draft-tree session's tree: blocks carry its nodes (verifier_service/tree_verify.py); None: chains."""
-        return self.mode.tree
+    def kind(self) -> BlockKind:
+        """The session's block kind (steerspec/blocks/): how its blocks are admitted, verified and answered."""
+        return kind_of(self.mode)
 
     @property
     def acceptance(self) -> str:
@@ -142,7 +139,7 @@ class SessionTable:
                                 f"this verifier already serves --max-sessions {self.max_sessions} sessions; retry "
                                 "later or use another replica")
         self.check_room(None, prompt_len + max_k)
-        lm = session_lm(self.model, self.kv_backend, tree=fields.get("mode", EXACT_CHAIN).tree is not None)
+        lm = session_lm(self.model, self.kv_backend, lean=kind_of(fields.get("mode", EXACT_CHAIN)).lean_cache)
         session = VerifierSession(session_id=session_id, lm=lm, committed=prompt_len, max_k=max_k, **fields)
         self.sessions[session_id] = session
         self.reserved[session_id] = prompt_len + max_k

@@ -25,15 +25,17 @@ from rich.table import Table
 
 from steerspec.bench.host import host_info
 from steerspec.cli.run import add_model_arguments, drafter_dtype_of, load_pair
-from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.blocks.block_mode import parse_mode
+from steerspec.blocks.kinds import kind_of
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate
 from steerspec.decoding.generation_result import GenerationResult, aggregate
 from steerspec.decoding.sampling import SamplingParams
-from steerspec.decoding.tree_decoding import tree_generate
 from steerspec.decoding.trees import parse_tree
 from steerspec.errors import UsageError
 from steerspec.models import context_length, eos_token_ids, load_model, resolve_model_dir
 from steerspec.models.backends import cached_lm
 from steerspec.models.checkpoints import ASSETS_DIR
+from steerspec.observability.run_record import tokens_digest
 from steerspec.models.kv import FastCachedLM
 from steerspec.policies import FixedK
 from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
@@ -126,25 +128,25 @@ def run(args: argparse.Namespace) -> int:
 
     steering = maybe_steering_weights(drafter, resolve_model_dir(args.drafter), device=drafter.device)
 
-    def speculative(k: int, v=v_lm, d=d_lm) -> Callable:
-        """Our engine at fixed k; an SD² drafter is steered (hooks attached per generation, so that
-        transformers' assisted generation below runs the same drafter unsteered, with no stale g)."""
+    def engine(mode, policy=None, v=v_lm, d=d_lm) -> Callable:
+        """Our engine with the mode's block kind (steerspec/blocks/: a chain at fixed k, a draft tree); an SD² drafter
+        is steered (hooks attached per generation, so that transformers' assisted generation below runs the same
+        drafter unsteered, with no stale g)."""
+        kind = kind_of(mode)
 
         def generate(ids):
             if steering is None:
-                return speculative_generate(v, d, ids, config, FixedK(k))
+                return kind.generate(v, d, ids, config, mode, policy=policy)
             with SD2Steering(d, steering) as hooks:
-                return speculative_generate(v, d, ids, config, FixedK(k), steering=hooks)
+                return kind.generate(v, d, ids, config, mode, policy=policy, steering=hooks)
         return generate
+
+    def speculative(k: int, v=v_lm, d=d_lm) -> Callable:
+        return engine(parse_mode(k=k), FixedK(k), v, d)
 
     def draft_tree(shape) -> Callable:
         """Greedy tree drafting (steerspec/decoding/tree_decoding.py) on the same caches, steered alike."""
-        def generate(ids):
-            if steering is None:
-                return tree_generate(v_lm, d_lm, ids, config, shape)
-            with SD2Steering(d_lm, steering) as hooks:
-                return tree_generate(v_lm, d_lm, ids, config, shape, steering=hooks)
-        return generate
+        return engine(parse_mode(tree=shape.spec()))
 
     methods: Dict[str, Callable] = {"verifier alone": lambda ids: autoregressive_generate(v_lm, ids, config)}
     for k in ks:
@@ -254,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             "rounds": agg["rounds"],
             "wall_s": agg["wall_s"],
             "same_tokens_as_verifier": [r.token_ids for r in rs] == reference,
+            "tokens_sha256": tokens_digest([r.token_ids for r in rs]),
         })
     assisted = [r for r in rows if r["method"].startswith("transformers assisted")]
     ours = [r for r in rows if r["method"].startswith("speculative")]

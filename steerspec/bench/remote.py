@@ -47,7 +47,7 @@ from steerspec.errors import UsageError, float_list
 from steerspec.models import load_model
 from steerspec.models.checkpoints import resolve_model_dir
 from steerspec.models.loading import resolve_device
-from steerspec.observability.run_record import command_line
+from steerspec.observability.run_record import command_line, tokens_digest
 from steerspec.observability.trace_summary import percentile
 from steerspec.policies.fixed import FixedK
 from steerspec.serving.linkemu import LinkModel
@@ -147,6 +147,7 @@ def summarize_runs(results: Sequence[Any], wall_s: Optional[float] = None) -> Di
     out: Dict[str, Any] = {
         "sessions": len(results),
         "generated_tokens": tokens,
+        "tokens_sha256": tokens_digest([getattr(r, "token_ids", None) for r in results]),
         "wall_s": round(wall, 4),
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
         "rounds": rounds,
@@ -218,6 +219,7 @@ class RunRecord:
     accepted: int
     wall_s: float
     blocks: List[BlockRecord] = field(default_factory=list)
+    token_ids: Optional[List[int]] = None
 
 
 class RayCluster:
@@ -276,7 +278,8 @@ class RayCluster:
                                         draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout,
                                         tree=tree, verification=verification)
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
-                         wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [])
+                         wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [],
+                         token_ids=list(s.token_ids))
 
     async def shutdown(self) -> None:
         await self.deployment.stop()

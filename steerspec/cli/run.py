@@ -23,9 +23,10 @@ from typing import List, Tuple
 
 import torch
 
-from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.blocks.block_mode import BlockMode, parse_mode
+from steerspec.blocks.kinds import kind_of
+from steerspec.decoding.engine import DecodeConfig
 from steerspec.decoding.sampling import MAX_DRAFT_TOP_K, SamplingParams
-from steerspec.decoding.tree_decoding import tree_generate
 from steerspec.decoding.trees import DEFAULT_TREE, parse_tree
 from steerspec.errors import UsageError
 from steerspec.models import context_length, eos_token_ids, load_model, load_tokenizer, resolve_model_dir
@@ -38,7 +39,6 @@ from steerspec.serving import security
 from steerspec.serving.identity import describe, drafter_fix, mismatch_message, pair_differences
 from steerspec.serving.linkemu import add_link_arguments, link_from_args
 from steerspec.sprinter.classifier import resolve_head
-from steerspec.sprinter.decoding import sprinter_generate
 from steerspec.sprinter.spec import VerificationError, parse_verification
 from steerspec.steering.runtime import maybe_steering
 
@@ -231,7 +231,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
     if verification.lossy and runner is None:
-        return _generate_sprinter(args, params, verification)
+        return _generate_sprinter(args, params)
     if verification.lossy and not getattr(args, "coordinator", None):  # the local services' drafter needs a head
         resolve_head(resolve_model_dir(args.drafter), args.sprinter_head)
     if args.transport == "grpc" and runner is None:
@@ -254,17 +254,21 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     verifier, drafter, tokenizer = load_pair(args, need_drafter=speculative)
     config = decode_config(args, params, verifier, drafter, tokenizer)
     prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
+    steering = None
     if speculative:
         drafter = cached_lm(drafter)
         steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)  # SD² drafters
-        if tree is not None:
-            return tree_generate(verifier, drafter, prompt_ids, config, tree, steering=steering,
-                                 tokenizer=tokenizer), tokenizer
-        result = speculative_generate(verifier, drafter, prompt_ids, config, policy, tokenizer=tokenizer,
-                                      steering=steering)
-    else:
-        result = autoregressive_generate(verifier, prompt_ids, config, tokenizer=tokenizer)
+    mode = run_mode(args, speculative)
+    result = kind_of(mode).generate(verifier, drafter, prompt_ids, config, mode, policy=policy, steering=steering,
+                                    tokenizer=tokenizer)
     return result, tokenizer
+
+
+def run_mode(args: argparse.Namespace, speculative: bool) -> BlockMode:
+    """The run's block mode (kind, verification rule, tree) from its checked arguments; the policy object is
+    built by `policy_from_args`."""
+    return parse_mode(speculative=speculative, k=int(getattr(args, "k", None) or 4), tree=getattr(args, "tree", None)
+                      or "", verification=getattr(args, "verification", None) or "")
 
 
 def tree_from_args(args: argparse.Namespace, chains_only: bool):
@@ -339,7 +343,7 @@ def parse_verification_arg(args: argparse.Namespace):
     return verification
 
 
-def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verification):
+def _generate_sprinter(args: argparse.Namespace, params: SamplingParams):
     """SPRINTER (lossy) in this process: the head must exist for the drafter before models load."""
     loaded = resolve_head(resolve_model_dir(args.drafter), args.sprinter_head, device=args.device)
     verifier, drafter, tokenizer = load_pair(args)
@@ -347,10 +351,9 @@ def _generate_sprinter(args: argparse.Namespace, params: SamplingParams, verific
     prompt_ids = encode_prompt(tokenizer, args.prompt, config.max_length)
     drafter = cached_lm(drafter)
     steering = maybe_steering(drafter, resolve_model_dir(args.drafter), device=args.device)
-    threshold = verification.threshold if verification.threshold is not None else loaded.default_threshold
-    result = sprinter_generate(verifier, drafter, prompt_ids, config, loaded.head, threshold=threshold,
-                               max_run=verification.max_run, lam=loaded.lam, steering=steering,
-                               tokenizer=tokenizer)
+    mode = run_mode(args, True)
+    result = kind_of(mode).generate(verifier, drafter, prompt_ids, config, mode, steering=steering,
+                                    tokenizer=tokenizer, head=loaded)
     return result, tokenizer
 
 

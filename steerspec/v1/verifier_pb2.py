@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from steerspec.v1 import common_pb2 as steerspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsteerspec/v1/verifier.proto\x12\x0csteerspec.v1\x1a\x19steerspec/v1/common.proto\"\xea\x01\n\nVerifyOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.steerspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x10\n\x08steering\x18\x06 \x01(\x08\x12\x14\n\x0cverification\x18\x07 \x01(\t\x12\x0c\n\x04tree\x18\x08 \x01(\t\x12\x31\n\x0c\x63lient_model\x18\t \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\"\x1d\n\x0bVerifyClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x98\x01\n\rVerifyRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.steerspec.v1.VerifyOpenH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.steerspec.v1.DraftBlockH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.steerspec.v1.VerifyCloseH\x00\x42\x06\n\x04kind\"\xb4\x01\n\x0bVerifyReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12&\n\x08steering\x18\x03 \x01(\x0b\x32\x14.steerspec.v1.Tensor\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x0f\n\x07replica\x18\x05 \x01(\t\x12*\n\x05model\x18\x06 \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\"\x9e\x01\n\x0eVerifyResponse\x12*\n\x05ready\x18\x01 \x01(\x0b\x32\x19.steerspec.v1.VerifyReadyH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.steerspec.v1.VerifyResultH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.steerspec.v1.StreamErrorH\x00\x42\x06\n\x04kind\"\x19\n\x17GetVerifierStatsRequest\"E\n\x18GetVerifierStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.ServiceStats2\xbd\x01\n\x0fVerifierService\x12G\n\x06Verify\x12\x1b.steerspec.v1.VerifyRequest\x1a\x1c.steerspec.v1.VerifyResponse(\x01\x30\x01\x12\x61\n\x10GetVerifierStats\x12%.steerspec.v1.GetVerifierStatsRequest\x1a&.steerspec.v1.GetVerifierStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsteerspec/v1/verifier.proto\x12\x0csteerspec.v1\x1a\x19steerspec/v1/common.proto\"\xfe\x01\n\nVerifyOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.steerspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x10\n\x08steering\x18\x06 \x01(\x08\x12\x14\n\x0cverification\x18\x07 \x01(\t\x12\x0c\n\x04tree\x18\x08 \x01(\t\x12\x31\n\x0c\x63lient_model\x18\t \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\x12\x12\n\nblock_kind\x18\x1e \x01(\t\"\x1d\n\x0bVerifyClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x98\x01\n\rVerifyRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.steerspec.v1.VerifyOpenH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.steerspec.v1.DraftBlockH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.steerspec.v1.VerifyCloseH\x00\x42\x06\n\x04kind\"\xb4\x01\n\x0bVerifyReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12&\n\x08steering\x18\x03 \x01(\x0b\x32\x14.steerspec.v1.Tensor\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x0f\n\x07replica\x18\x05 \x01(\t\x12*\n\x05model\x18\x06 \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\"\x9e\x01\n\x0eVerifyResponse\x12*\n\x05ready\x18\x01 \x01(\x0b\x32\x19.steerspec.v1.VerifyReadyH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.steerspec.v1.VerifyResultH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.steerspec.v1.StreamErrorH\x00\x42\x06\n\x04kind\"\x19\n\x17GetVerifierStatsRequest\"E\n\x18GetVerifierStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.ServiceStats2\xbd\x01\n\x0fVerifierService\x12G\n\x06Verify\x12\x1b.steerspec.v1.VerifyRequest\x1a\x1c.steerspec.v1.VerifyResponse(\x01\x30\x01\x12\x61\n\x10GetVerifierStats\x12%.steerspec.v1.GetVerifierStatsRequest\x1a&.steerspec.v1.GetVerifierStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'steerspec.v1.verifier_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYOPEN']._serialized_start=73
-  _globals['_VERIFYOPEN']._serialized_end=307
-  _globals['_VERIFYCLOSE']._serialized_start=309
-  _globals['_VERIFYCLOSE']._serialized_end=338
-  _globals['_VERIFYREQUEST']._serialized_start=341
-  _globals['_VERIFYREQUEST']._serialized_end=493
-  _globals['_VERIFYREADY']._serialized_start=496
-  _globals['_VERIFYREADY']._serialized_end=676
-  _globals['_VERIFYRESPONSE']._serialized_start=679
-  _globals['_VERIFYRESPONSE']._serialized_end=837
-  _globals['_GETVERIFIERSTATSREQUEST']._serialized_start=839
-  _globals['_GETVERIFIERSTATSREQUEST']._serialized_end=864
-  _globals['_GETVERIFIERSTATSRESPONSE']._serialized_start=866
-  _globals['_GETVERIFIERSTATSRESPONSE']._serialized_end=935
-  _globals['_VERIFIERSERVICE']._serialized_start=938
-  _globals['_VERIFIERSERVICE']._serialized_end=1127
+  _globals['_VERIFYOPEN']._serialized_end=327
+  _globals['_VERIFYCLOSE']._serialized_start=329
+  _globals['_VERIFYCLOSE']._serialized_end=358
+  _globals['_VERIFYREQUEST']._serialized_start=361
+  _globals['_VERIFYREQUEST']._serialized_end=513
+  _globals['_VERIFYREADY']._serialized_start=516
+  _globals['_VERIFYREADY']._serialized_end=696
+  _globals['_VERIFYRESPONSE']._serialized_start=699
+  _globals['_VERIFYRESPONSE']._serialized_end=857
+  _globals['_GETVERIFIERSTATSREQUEST']._serialized_start=859
+  _globals['_GETVERIFIERSTATSREQUEST']._serialized_end=884
+  _globals['_GETVERIFIERSTATSRESPONSE']._serialized_start=886
+  _globals['_GETVERIFIERSTATSRESPONSE']._serialized_end=955
+  _globals['_VERIFIERSERVICE']._serialized_start=958
+  _globals['_VERIFIERSERVICE']._serialized_end=1147
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "max_k", "steering", "verification", "tree", "client_model")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "max_k", "steering", "verification", "tree", "client_model", "block_kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class VerifyOpen(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class VerifyOpen(_message.Message):
     verification: str
     tree: str
     client_model: _common_pb2.ModelIdentity
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_k: _Optional[int] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., client_model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ...) -> None: ...
+    block_kind: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_k: _Optional[int] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., client_model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., block_kind: _Optional[str] = ...) -> None: ...
 
 class VerifyClose(_message.Message):
     __slots__ = ("reason",)

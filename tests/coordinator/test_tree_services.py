@@ -155,15 +155,16 @@ async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):
 def test_the_coordinator_cuts_a_tree_blocks_q_rows_with_its_nodes(per_parent):
     """A block cut to k nodes keeps the rows of those nodes: with one row per parent, the rows of their parents
     (`trees.q_parents` of the tree's first k nodes), which come first."""
-    from coordinator.loop import _truncate_block
-    from steerspec.decoding.trees import parse_tree
+    from steerspec.blocks.block_mode import parse_mode
+    from steerspec.blocks.kinds import kind_of
 
-    tree = parse_tree("0,1,2,00,10")  # parents -1, -1, -1, 0, 1
+    mode = parse_mode(tree="0,1,2,00,10")  # parents -1, -1, -1, 0, 1
+    kind = kind_of(mode)
     for k, rows in ((4, 2), (3, 1), (5, 3)):
         n = 3 if per_parent else 5
         q = common_pb2.SparseDistribution(ids=list(range(2 * n)), probs=bytes(4 * n), support=2)
         block = common_pb2.DraftBlock(seq=1, draft_ids=[1, 2, 3, 4, 5], q=q)
-        _truncate_block(block, k, tree)
+        kind.cut(mode, block, k)
         want = rows if per_parent else k
         assert list(block.draft_ids) == [1, 2, 3, 4, 5][:k]
         assert list(block.q.ids) == list(range(2 * want)) and len(block.q.probs) == 4 * want

@@ -27,7 +27,7 @@ from steerspec.policies.fixed import FixedK
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.decoding.speculative import DraftBlock
 from steerspec.steering import DrafterSteering, attach_steering
-from steerspec.serving.block_mode import parse_mode
+from steerspec.blocks.block_mode import parse_mode
 
 LOGIT_TOL = dict(atol=1e-5, rtol=1e-5)
 Q_TOL = dict(atol=1e-5, rtol=1e-3)  # fp32 noise, or one fp16 ulp where it crossed a rounding boundary
@@ -368,7 +368,7 @@ def test_draft_many_batches_tree_sessions_as_if_alone(drafter_model):
                     assert torch.equal(g.q.ids, w.q.ids)
                     torch.testing.assert_close(g.q.probs, w.q.probs, **Q_TOL)
             for i, out in enumerate(want[:-1]):
-                shape = batched[i].tree
+                shape = batched[i].mode.tree
                 leaves = [n for n in range(shape.size) if not shape.children(n)]
                 end = (leaves[(b + i) % len(leaves)], None)[(b + i) % 2]  # a root-to-leaf path, or none
                 path = [] if end is None else shape.ancestors(end) + [end]

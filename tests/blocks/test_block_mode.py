@@ -1,10 +1,10 @@
-"""`serving.block_mode.parse_mode`: a request's fields parsed once into the typed mode every service reads."""
+"""`blocks.block_mode.parse_mode`: a request's fields parsed once into the typed mode every service reads."""
 
 from __future__ import annotations
 
 import pytest
 
-from steerspec.serving.block_mode import CHAIN, SPRINTER_RUN, TREE, VERIFIER_ALONE, ModeError, parse_mode
+from steerspec.blocks.block_mode import CHAIN, SPRINTER_RUN, TREE, VERIFIER_ALONE, ModeError, parse_mode
 
 
 def test_each_kind_and_its_block_limit():

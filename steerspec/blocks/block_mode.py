@@ -8,15 +8,17 @@ instead of re-deriving kinds from strings. One set of rules, one message per ref
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
+from steerspec.blocks.block_kind import registered_kinds
 from steerspec.decoding.trees import TreeShape, parse_tree
 from steerspec.policies.base import MAX_K
 from steerspec.policies.registry import PolicyError, max_block, parse_spec
 from steerspec.sprinter.spec import Verification, VerificationError, parse_verification
 
 VERIFIER_ALONE, CHAIN, TREE, SPRINTER_RUN = "verifier", "chain", "tree", "sprinter"
+BUNDLED = (VERIFIER_ALONE, CHAIN, TREE, SPRINTER_RUN)  # told apart by the request's fields; others by name
 FIXED = "fixed"
 
 
@@ -48,6 +50,16 @@ class BlockMode:
         """At T > 0: "token" (speculative sampling) or "block" (block / traversal verification)."""
         return self.verification.acceptance
 
+    def alone(self) -> "BlockMode":
+        """This mode without drafts (a session whose last drafter is gone): 0-length blocks, the same rule."""
+        return replace(self, kind=VERIFIER_ALONE, policy=FIXED, tree=None)
+
+    @property
+    def custom(self) -> str:
+        """The kind's name where the request's fields cannot tell it (a kind registered outside the bundled
+        ones: `block_kind` on the wire), else ""."""
+        return "" if self.kind in BUNDLED else self.kind
+
     @property
     def tree_spec(self) -> str:
         return "" if self.tree is None else self.tree.spec()
@@ -73,13 +85,17 @@ def _fixed(policy: str) -> bool:
 
 
 def parse_mode(*, speculative: bool = True, k: int = 4, tree: str = "", verification: str = "", policy: str = "",
-               default_policy: str = "") -> BlockMode:
+               default_policy: str = "", block_kind: str = "") -> BlockMode:
     """The mode of a request's fields; ModeError naming the bad field and the fix. `default_policy`: what a chain
-    that names no policy drafts with (a service's `--policy`; `fixed` when empty)."""
+    that names no policy drafts with (a service's `--policy`; `fixed` when empty). `block_kind`: a registered
+    kind the other fields cannot express ("": told by them)."""
     try:
         rule = parse_verification(verification)
     except VerificationError as exc:
         raise ModeError(f"verification: {exc}") from None
+    name = (block_kind or "").strip()
+    if name and name not in BUNDLED:
+        return _custom(name, speculative, int(k), tree, rule, policy)
     named = (policy or "").strip()
     policy = named or FIXED
     try:
@@ -119,4 +135,20 @@ def parse_mode(*, speculative: bool = True, k: int = 4, tree: str = "", verifica
     return BlockMode(CHAIN if speculative else VERIFIER_ALONE, rule, policy, int(k))
 
 
-EXACT_CHAIN = parse_mode()  # chains verified exactly with `fixed` k: what a session that names nothing decodes
+def _custom(name: str, speculative: bool, k: int, tree: str, rule: Verification, policy: str) -> BlockMode:
+    """A kind registered outside the bundled ones: fixed k blocks, verified losslessly."""
+    known = registered_kinds()
+    if name not in known:
+        raise ModeError(f"unknown block kind {name!r}; known kinds: {', '.join(sorted(known))}")
+    if not speculative:
+        raise ModeError(f"block kind {name!r} needs mode 'speculative'")
+    if (tree or "").strip():
+        raise ModeError(f"block kind {name!r} drafts no tree: send no tree with it")
+    if rule.lossy or not _fixed(policy):
+        raise ModeError(f"block kind {name!r} drafts k tokens, verified losslessly: send policy 'fixed' (or none) "
+                        "and verification 'exact' or 'block'")
+    return BlockMode(name, rule, FIXED, k)
+
+
+EXACT_CHAIN = parse_mode()
+VERIFIER_ONLY = parse_mode(speculative=False)  # 0-length blocks: autoregressive sessions, and those out of drafters  # chains verified exactly with `fixed` k: what a session that names nothing decodes

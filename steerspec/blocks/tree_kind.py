@@ -1,0 +1,232 @@
+"""A draft tree: the session's static tree (`decoding.trees`), its nodes breadth-first on the wire, verified by the
+in-process `tree_decoding` steps, so a seeded session draws what `tree_generate` draws in one process.
+
+Drafting: `tree_decoding.draft_tree` alone, `draft_trees` for a batch (one packed pass per depth). A block carries
+one q row per parent (`trees.q_parents`: siblings are drawn from one distribution). Verification: every tree of the
+batch scored in one packed pass (each row with its own positions and ancestor mask), then each session's own walk
+(greedy; recursive rejection sampling over siblings drawn without replacement; traversal verification for block-
+verified sessions); the caches keep the accepted path. Near the budget a tree is cut to a breadth-first prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import grpc
+import torch
+
+from steerspec.blocks.block_kind import BlockKind, DraftOutput, JobResult, Verdict, cut_rows, refuse_kept, \
+    register_kind
+from steerspec.decoding.engine import DecodeConfig
+from steerspec.decoding.sampling import SparseDist
+from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees, finish_tree, \
+    tree_feed, tree_generate
+from steerspec.decoding.trees import TreeShape, cut_to_depth, node_q_rows, prefix, q_parents
+from steerspec.models.batched import can_batch, packed_extend
+from steerspec.models.kv import FastCachedLM
+from steerspec.serving import wire
+from steerspec.serving.wire import ProtocolError, WireBlock, invalid
+from steerspec.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """A tree block as checked once on arrival: the nodes it carries and the distribution each parent's children
+    were drawn from (None when greedy), so the batch reuses them instead of redoing both."""
+
+    shape: TreeShape
+    q_at: Optional[Dict[int, SparseDist]]
+
+
+@register_kind
+class TreeKind(BlockKind):
+    """The session's draft tree (`BlockMode.tree`), cut to a breadth-first prefix near the budget."""
+
+    name = "tree"
+    lean_cache = True  # positions and ancestor masks per row: the graphed static pool takes no tree
+
+    # -- the coordinator's round -------------------------------------------------------------------------
+    def room(self, mode, room: int) -> int:
+        """Its nodes down to depth room - 1 (the cut the in-process engine makes near the budget)."""
+        return cut_to_depth(mode.tree, room - 1).size
+
+    def cut(self, mode, block: common_pb2.DraftBlock, keep: int) -> None:
+        """Keep the first `keep` nodes and the q rows of their parents (which come first) or of each node."""
+        keep = max(keep, 0)
+        rows = keep
+        if block.HasField("q") and block.q.support and len(block.draft_ids) > keep:
+            if len(block.q.ids) != len(block.draft_ids) * block.q.support:  # one row per parent
+                rows = len(q_parents(prefix(mode.tree, keep)))
+        cut_rows(block, keep, rows)
+
+    def accepted_drafts(self, mode, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> List[int]:
+        """The nodes along the accepted path (checked against the block's tree)."""
+        wire.check_path(prefix(mode.tree, len(block.draft_ids)), list(result.path), int(result.accepted),
+                        int(block.seq))
+        return [int(block.draft_ids[node]) for node in result.path]
+
+    # -- the drafter service -----------------------------------------------------------------------------
+    def open_drafter(self, drafter, session) -> None:
+        if not FastCachedLM.supports(drafter.model):
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this drafter's architecture ({type(drafter.model).__name__}) has no lean KV cache, "
+                                "which a draft tree needs: open the session without a tree")
+
+    def draft(self, drafter, sessions: Sequence) -> List[DraftOutput]:
+        if len(sessions) == 1 or not can_batch([s.lm for s in sessions]):
+            return [self.draft_one(drafter, session) for session in sessions]
+        start = time.perf_counter()
+        rows, shapes = [], []
+        try:
+            for session in sessions:
+                shape = self.shape(drafter, session)
+                row = TreeRow(session.lm, session.committed, shape,
+                              DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k),
+                              session.generator)
+                drafter.steer_first_feed(session, row)
+                rows.append(row)
+                shapes.append(shape)
+            drafted = draft_trees(rows)
+        finally:
+            for session in sessions:
+                session.lm.set_up_bias(None)
+        drafter.sync()
+        outs = [output(shape, d, len(sessions)) for shape, d in zip(shapes, drafted)]
+        for out in outs:
+            out.draft_ms = (time.perf_counter() - start) * 1e3
+        return outs
+
+    def draft_one(self, drafter, session) -> DraftOutput:
+        """One session's tree alone (`tree_decoding.draft_tree`, steered through the drafter's hooks)."""
+        start = time.perf_counter()
+        shape = self.shape(drafter, session)
+        drafter.steer(session)
+        try:
+            out = output(shape, draft_tree(session.lm, session.committed, shape,
+                                           DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k),
+                                           session.generator))
+        finally:
+            drafter.unsteer()
+        drafter.sync()
+        out.draft_ms = (time.perf_counter() - start) * 1e3
+        return out
+
+    @staticmethod
+    def shape(drafter, session) -> TreeShape:
+        """The session's tree down to the depth its budget allows, within the drafter's context."""
+        depth = drafter.block_length(session)
+        return prefix(cut_to_depth(session.mode.tree, depth), drafter.context - len(session.committed))
+
+    def check_feedback(self, session, result: common_pb2.VerifyResult) -> None:
+        proposal = session.proposal
+        wire.check_path(prefix(session.mode.tree, len(proposal.draft_ids)), list(result.path), int(result.accepted),
+                        proposal.seq)
+
+    def feedback(self, drafter, session, verdict: Verdict) -> None:
+        """Commit the path's tokens and the next one; the cache keeps the path's nodes it holds."""
+        proposal = session.proposal
+        n = proposal.committed_length
+        path = list(verdict.path)
+        session.committed.extend(proposal.draft_ids[node] for node in path)
+        session.committed.append(int(verdict.next_token))
+        session.lm.keep(n, cached_path(path, proposal.fed, n))
+
+    # -- the verifier service ----------------------------------------------------------------------------
+    def max_block(self, mode, max_k: int) -> int:
+        return max(max_k, mode.tree.size)
+
+    def open_verifier(self, session) -> None:
+        if not isinstance(session.lm, FastCachedLM):
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "draft trees need the lean KV cache, which this replica's model or --kv-backend hf "
+                                "does not give: start the verifier with --kv-backend auto or fast, or open the "
+                                "session without a tree")
+
+    def admit(self, session, msg: common_pb2.DraftBlock, vocab_size: int) -> Tuple[WireBlock, TreeBlock]:
+        shape = block_shape(session.mode.tree, len(msg.draft_ids), msg.seq)
+        block = wire.decode_block(msg, vocab_size, session.greedy, shape)
+        checked = TreeBlock(shape, None if (block.q is None or session.greedy) else parents_q(shape, block.q))
+        refuse_kept(block)
+        return block, checked
+
+    @torch.inference_mode()
+    def verify(self, runner, jobs: Sequence) -> List[JobResult]:
+        """Every tree of the batch scored in ONE packed pass, then each session's own walk."""
+        start = time.perf_counter()
+        sessions = [job.session for job in jobs]
+        trees = [job.checked for job in jobs]  # TreeBlocks, checked on arrival (`admit`)
+        starts = [s.lm.length for s in sessions]
+        fed = [tree_feed(s.pending, job.block.draft_ids.tolist(), tree.shape, at)
+               for s, job, tree, at in zip(sessions, jobs, trees, starts)]
+        want_hidden = runner.head is not None and any(s.steering for s in sessions)
+        outs = packed_extend([s.lm for s in sessions], [f[0] for f in fed],
+                             runner.head_layers() if want_hidden else None, [(f[1], f[2]) for f in fed])
+        walked = [finish_tree(session.lm, at, tree.shape, job.block.draft_ids.tolist(), out,
+                              DecodeConfig(sampling=session.params, acceptance=session.acceptance), tree.q_at,
+                              session.generator)
+                  for session, job, tree, at, out in zip(sessions, jobs, trees, starts, outs)]
+        steering = [None] * len(jobs)
+        if want_hidden:
+            g = runner.steering_vectors(torch.stack([hidden for _, _, hidden in walked]))
+            steering = [g[i] if s.steering else None for i, s in enumerate(sessions)]
+        runner.sync()
+        verify_ms = (time.perf_counter() - start) * 1e3
+        results = []
+        for i, (job, tree, (path, next_token, _)) in enumerate(zip(jobs, trees, walked)):
+            leaf = not (tree.shape.children(path[-1]) if path else tree.shape.children(-1))
+            results.append(JobResult(accepted=len(path), next_token=next_token, is_bonus=leaf, steering=steering[i],
+                                     queue_ms=(start - job.submitted) * 1e3, verify_ms=verify_ms,
+                                     batch_size=len(jobs), path=path))
+        return results
+
+    def encode_result(self, result: JobResult, out: common_pb2.VerifyResult) -> None:
+        out.path.extend(result.path or [])
+
+    # -- in process --------------------------------------------------------------------------------------
+    def generate(self, verifier, drafter, prompt_ids, config, mode, *, policy=None, steering=None, tokenizer=None,
+                 on_round=None, head=None):
+        return tree_generate(verifier, drafter, prompt_ids, config, mode.tree, steering=steering,
+                             tokenizer=tokenizer, on_round=on_round)
+
+
+def output(shape: TreeShape, drafted, batch_size: int = 1) -> DraftOutput:
+    """A drafted tree as a block: its nodes breadth-first and one q row per parent, the distribution its children
+    were drawn from (what the verifier tests; `trees.q_parents` order)."""
+    tokens, fed, q_at = drafted
+    q = None
+    if q_at and shape.size:
+        rows = [q_at[parent] for parent in q_parents(shape)]
+        q = SparseDist(ids=torch.cat([r.ids for r in rows]), probs=torch.cat([r.probs for r in rows]),
+                       floor=None if rows[0].floor is None else torch.cat([r.floor for r in rows]),
+                       vocab=rows[0].vocab)
+    return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed, batch_size=batch_size)
+
+
+def parents_q(shape: TreeShape, q: SparseDist) -> Dict[int, SparseDist]:
+    """The distribution [1, S] each parent's children were drawn from, from the block's rows: one per parent
+    (`trees.q_parents` order), or one per node (its parent's q; INVALID_ARGUMENT when siblings' rows differ)."""
+    if node_q_rows(shape, int(q.ids.shape[0])) is not None:  # rows checked by wire.decode_block
+        return {parent: q.map(lambda t, i=i: t[i:i + 1]) for i, parent in enumerate(q_parents(shape))}
+    out: Dict[int, SparseDist] = {}
+    first: Dict[int, int] = {}
+    for node, parent in enumerate(shape.parents):
+        if parent not in first:
+            first[parent] = node
+            out[parent] = q.map(lambda t, i=node: t[i:i + 1])
+            continue
+        row = first[parent]
+        same = torch.equal(q.ids[node], q.ids[row]) and torch.equal(q.probs[node], q.probs[row])
+        if not same:
+            raise invalid(f"draft tree nodes {row} and {node} share a parent but their q rows differ; a node's "
+                          "row must be the distribution its parent's children were drawn from")
+    return out
+
+
+def block_shape(tree: TreeShape, k: int, seq: int) -> TreeShape:
+    """The tree a block of k draft tokens carries: the session's first k nodes (OUT_OF_RANGE past its size)."""
+    if k > tree.size:
+        raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
+                            f"block {seq} has {k} draft tokens; the session's tree has {tree.size} nodes")
+    return prefix(tree, k)
