@@ -269,8 +269,8 @@ class Client:
     # -- calls ------------------------------------------------------------------------------
     def generate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
-                 policy: str = "fixed",
+                 seed: Optional[int] = None, k: int = 0, draft_top_k: int = 64, mode: str = "speculative",
+                 policy: str = "",
                  steering: bool = False, session_id: Optional[str] = None,
                  timeout: Optional[float] = None, verification: str = "exact", tree: str = "",
                  block_kind: str = "") -> Iterator[Item]:
@@ -308,8 +308,8 @@ class Client:
 
     async def agenerate(self, prompt: Optional[str] = None, *, prompt_ids: Optional[Sequence[int]] = None,
                         max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        seed: Optional[int] = None, k: int = 4, draft_top_k: int = 64, mode: str = "speculative",
-                        policy: str = "fixed", steering: bool = False, session_id: Optional[str] = None,
+                        seed: Optional[int] = None, k: int = 0, draft_top_k: int = 64, mode: str = "speculative",
+                        policy: str = "", steering: bool = False, session_id: Optional[str] = None,
                         timeout: Optional[float] = None, verification: str = "exact",
                         tree: str = "", block_kind: str = "") -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""

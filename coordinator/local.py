@@ -188,11 +188,12 @@ class LocalCluster:
         return Client(self.target, **kwargs)
 
     async def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
-                       mode: str = "speculative", policy: str = "fixed", steering: bool = False,
+                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, k: int = 0, draft_top_k: int = 64,
+                       mode: str = "speculative", policy: str = "", steering: bool = False,
                        session_id: str = "", timeout: Optional[float] = None,
                        verification: str = "exact", tree: str = "", block_kind: str = "") -> DistributedResult:
-        """One generation driven by this process's coordinator (no client hop); returns its result."""
+        """One generation driven by this process's coordinator (no client hop); returns its result. Naming no k, tree
+        or policy gets the deployment's default (`blocks.block_mode.default_fields`: the load-aware default)."""
         check_verification(verification, self.allow_lossy)
         request = SessionRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                  sampling=SamplingParams(temperature, top_k, top_p), seed=seed, k=k,

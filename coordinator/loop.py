@@ -45,7 +45,7 @@ from coordinator.placement import Placer, registered_identity
 from coordinator.results import BlockStats, Chunk, DistributedResult, end_block_span
 from coordinator.streams import Channels, ReplicaLost, SessionError, Stream, status_from_code
 from steerspec.blocks.block_kind import BlockKind
-from steerspec.blocks.block_mode import BlockMode, ModeError, parse_mode
+from steerspec.blocks.block_mode import BlockMode, ModeError, default_fields, parse_mode
 from steerspec.blocks.kinds import kind_of
 from steerspec.decoding import rounds
 from steerspec.decoding.sampling import SamplingParams
@@ -164,6 +164,9 @@ class SessionRequest:
             raise _invalid(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         if self.mode not in MODES:
             raise _invalid(f"unknown mode '{self.mode}': use one of {', '.join(MODES)}")
+        self.tree, self.policy, self.k = default_fields(speculative=self.mode == "speculative", k=self.k,
+                                                        tree=self.tree, policy=self.policy,
+                                                        verification=self.verification, block_kind=self.block_kind)
         if self.mode == "speculative" and not (1 <= self.k <= MAX_K):
             raise _invalid(f"k must be in [1, {MAX_K}], got {self.k}")
         if self.draft_top_k < 0:

@@ -197,9 +197,9 @@ class Coordinator:
                                   top_p=(float(s.top_p) or 1.0) if s else 1.0)
         return SessionRequest(
             prompt_ids=prompt_ids, max_new_tokens=int(request.max_new_tokens or d.get("max_new_tokens", 64)),
-            sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 4)),
+            sampling=sampling, seed=int(request.seed), k=int(request.k or d.get("k", 0)),
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
-            mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "fixed")), steering=bool(request.steering),
+            mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "")), steering=bool(request.steering),
             session_id=request.session_id, verification=request.verification or "exact", tree=request.tree,
             block_kind=request.block_kind).validate()
 

@@ -159,7 +159,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         if top_k > self.vocab_size:
             raise wire.invalid(f"draft_top_k {top_k} exceeds the vocabulary size {self.vocab_size}")
         mode = _mode(msg, self.config.policy)
-        k = mode.draft_depth  # a tree's depth or a run's max_run, cut near the budget and the context like k
+        k = mode.policy_k  # a tree's nodes or a run's max_run, cut near the budget and the context like k
         spec = mode.policy  # `fixed` where the kind's shape sets the length (a tree; SPRINTER's runs)
         policy = resolve_policy(spec, k, self.table.model)
         if msg.policy_state:  # a failover: the session's own state
@@ -260,7 +260,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         verify_ms, queue_ms, network_ms = float(result.verify_ms), float(result.queue_ms), float(msg.network_ms)
         timing = BlockFeedback(int(result.accepted), len(session.proposal.draft_ids), draft_ms=float(msg.draft_ms),
                                verify_ms=verify_ms, queue_ms=queue_ms, network_ms=network_ms,
-                               overhead_ms=rounds.overhead_ms(away_ms, 0.0, network_ms, queue_ms, verify_ms))
+                               overhead_ms=rounds.overhead_ms(away_ms, 0.0, network_ms, queue_ms, verify_ms),
+                               path=tuple(int(node) for node in result.path), batch_size=int(result.batch_size),
+                               pass_rows=int(result.pass_rows), blocks_waiting=int(result.blocks_waiting),
+                               cost_fixed_ms=float(result.cost_fixed_ms),
+                               cost_per_row_ms=float(result.cost_per_row_ms))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing,
                                     path=list(result.path))
         if not msg.want_block:

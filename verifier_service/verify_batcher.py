@@ -28,6 +28,7 @@ from steerspec.models.kv import FastCachedLM
 from steerspec.models.loading import cache_kwarg
 from steerspec.serving.batching import WindowBatcher
 from verifier_service import fast_verify
+from verifier_service.pass_costs import PassCosts
 from verifier_service.verify_jobs import JobResult, VerifyJob
 from verifier_service.verify_sessions import VerifierSession
 
@@ -41,6 +42,7 @@ class VerifyRunner:
         self.device = model.device
         self.config = model.config
         self._cache_arg = cache_kwarg(model)  # the name transformers' forward takes the KV cache by
+        self.costs = PassCosts()  # pass time against rows, reported with every result (load-aware block sizes)
 
     # ------------------------------------------------------------------ helpers
     def steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
@@ -95,10 +97,15 @@ class VerifyRunner:
         for i, job in enumerate(jobs):
             groups.setdefault(job.session.kind.name, []).append(i)
         results: List[Optional[JobResult]] = [None] * len(jobs)
+        start = time.perf_counter()
         for indices in groups.values():
             kind = jobs[indices[0]].session.kind
             for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
                 results[i] = result
+        rows = sum(job.block.k + 1 for job in jobs)  # the pending token and the drafts of every block
+        self.costs.add(rows, (time.perf_counter() - start) * 1e3)
+        for result in results:
+            result.pass_rows = rows
         return results
 
     # ------------------------------------------------------------------ machinery the kinds use

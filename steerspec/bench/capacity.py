@@ -97,18 +97,21 @@ def _numbers(text: str, name: str, kind=int, low: float = 0) -> List:
 
 
 def mode_request(name: str) -> Dict[str, object]:
-    """The SDK keywords of a mode: `verifier`, `k<N>`, `tree` / `tree=SPEC`, `default`; UsageError otherwise."""
+    """The SDK keywords of a mode: `verifier`, `k<N>`, `tree` / `tree=SPEC`, `load`, `default` (what a request that
+    names nothing gets); UsageError otherwise."""
     if name == "verifier":
         return {"mode": "autoregressive"}
     if name == "default":
         return {}
     if name == "tree":
         return {"tree": "default"}
+    if name == "load":
+        return {"policy": "load"}  # chains sized by the load-aware policy (the default sizes the default tree)
     if name.startswith("tree="):
         return {"tree": name.split("=", 1)[1]}
     if name.startswith("k") and name[1:].isdigit() and int(name[1:]) >= 1:
         return {"k": int(name[1:]), "policy": "fixed"}
-    raise UsageError(f"unknown mode {name!r}: use verifier, k<N> (e.g. k4), tree, tree=SPEC or default")
+    raise UsageError(f"unknown mode {name!r}: use verifier, k<N> (e.g. k4), tree, tree=SPEC, load or default")
 
 
 def validate(args) -> argparse.Namespace:

@@ -56,6 +56,7 @@ class JobResult:
     error: Optional[BaseException] = None
     labels: Optional[object] = None  # SPRINTER runs: steerspec.sprinter.labels.RunLabels of the run's tokens
     path: Optional[List[int]] = None  # tree sessions: the accepted nodes, root to leaf
+    pass_rows: int = 0  # rows the pass scored, every session's block together (the verifier's load)
 
 
 @dataclass(frozen=True)

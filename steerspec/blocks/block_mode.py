@@ -14,12 +14,15 @@ from typing import Optional
 from steerspec.blocks.block_kind import registered_kinds
 from steerspec.decoding.trees import TreeShape, parse_tree
 from steerspec.policies.base import MAX_K
-from steerspec.policies.registry import PolicyError, max_block, parse_spec
+from steerspec.policies.registry import PolicyError, known_policies, max_block, parse_spec
 from steerspec.sprinter.spec import Verification, VerificationError, parse_verification
 
 VERIFIER_ALONE, CHAIN, TREE, SPRINTER_RUN = "verifier", "chain", "tree", "sprinter"
 BUNDLED = (VERIFIER_ALONE, CHAIN, TREE, SPRINTER_RUN)  # told apart by the request's fields; others by name
 FIXED = "fixed"
+DEFAULT_K = 4  # a chain's k when a request names a policy or a tree but no k
+DEFAULT_TREE_SPEC = "default"  # what a request that names no k, tree or policy drafts: the default tree ...
+LOAD_AWARE = "load"  # ... each block sized to the verifier's load (steerspec/policies/load.py)
 
 
 class ModeError(ValueError):
@@ -75,9 +78,24 @@ class BlockMode:
         return self.k if self.policy == FIXED else max_block(self.policy)
 
     @property
+    def policy_k(self) -> int:
+        """The bound a session's draft-length policy is built with and capped by: a tree's nodes (policies size
+        trees by how many of its nodes a block carries, breadth-first), else k (a SPRINTER run's max_run)."""
+        return self.tree.size if self.tree is not None else self.k
+
+    @property
     def draft_depth(self) -> int:
         """The drafter's per-block length bound before the budget and context cut it: a tree's depth, else k."""
         return self.tree.depth if self.tree is not None else self.k
+
+
+def tree_policies() -> list:
+    """The registered policies that size draft trees (how many nodes of the tree, breadth-first)."""
+    return sorted(name for name, entry in known_policies().items() if entry.trees)
+
+
+def _sizes_trees(policy: str) -> bool:
+    return (policy or FIXED).split(":")[0].strip() in tree_policies()
 
 
 def _fixed(policy: str) -> bool:
@@ -113,10 +131,10 @@ def parse_mode(*, speculative: bool = True, k: int = 4, tree: str = "", verifica
         if rule.lossy:
             raise ModeError(f"a draft tree is verified losslessly, not by '{rule.mode}': send verification 'exact' "
                             "or 'block', or no tree")
-        if not _fixed(policy):
-            raise ModeError(f"a draft tree replaces the draft length: policy '{policy}' does not apply; send policy "
-                            "'fixed' (or none)")
-        return BlockMode(TREE, rule, FIXED, int(k), shape)
+        if not _sizes_trees(policy):
+            raise ModeError(f"a draft tree is sized by a policy that sizes trees ({', '.join(tree_policies())}); "
+                            f"policy '{policy}' drafts chains: send one of those (or none)")
+        return BlockMode(TREE, rule, policy, int(k), shape)
     if rule.lossy:
         if not speculative:
             raise ModeError("sprinter verification needs mode 'speculative' (it verifies a drafter's tokens)")
@@ -148,6 +166,22 @@ def _custom(name: str, speculative: bool, k: int, tree: str, rule: Verification,
         raise ModeError(f"block kind {name!r} drafts k tokens, verified losslessly: send policy 'fixed' (or none) "
                         "and verification 'exact' or 'block'")
     return BlockMode(name, rule, FIXED, k)
+
+
+def default_fields(*, speculative: bool, k: int, tree: str, policy: str, verification: str = "",
+                   block_kind: str = "") -> tuple:
+    """(tree, policy, k) of a request, with what one that names none of them gets: a speculative, lossless request
+    with no k (0), tree, policy or block kind drafts the default tree sized by the load-aware policy; otherwise the
+    fields as sent, k defaulting to DEFAULT_K. The one default of the SDK, the coordinator and the deployments."""
+    named = int(k or 0) > 0 or (tree or "").strip() or (policy or "").strip() or (block_kind or "").strip()
+    lossless = True
+    try:
+        lossless = not parse_verification(verification).lossy
+    except VerificationError:
+        pass  # refused with its message by parse_mode
+    if speculative and not named and lossless:
+        return DEFAULT_TREE_SPEC, LOAD_AWARE, DEFAULT_K
+    return tree, policy, int(k or 0) or DEFAULT_K
 
 
 EXACT_CHAIN = parse_mode()

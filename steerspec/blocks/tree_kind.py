@@ -11,7 +11,7 @@ verified sessions); the caches keep the accepted path. Near the budget a tree is
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
@@ -19,6 +19,7 @@ import torch
 
 from steerspec.blocks.block_kind import BlockKind, DraftOutput, JobResult, Verdict, cut_rows, refuse_kept, \
     register_kind
+from steerspec.decoding import rounds
 from steerspec.decoding.engine import DecodeConfig
 from steerspec.decoding.sampling import SparseDist
 from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees, finish_tree, \
@@ -115,9 +116,13 @@ class TreeKind(BlockKind):
 
     @staticmethod
     def shape(drafter, session) -> TreeShape:
-        """The session's tree down to the depth its budget allows, within the drafter's context."""
-        depth = drafter.block_length(session)
-        return prefix(cut_to_depth(session.mode.tree, depth), drafter.context - len(session.committed))
+        """The first nodes of the session's tree its policy sizes the block to (breadth-first), down to the depth
+        its budget allows, within the drafter's context."""
+        tree = session.mode.tree
+        nodes = max(min(int(session.policy.next_k()), session.k), 0)
+        budget = session.budget()  # the verifier adds one token (recovered or bonus) after the path itself
+        depth = tree.depth if budget is None else rounds.block_k(tree.depth, budget)
+        return prefix(cut_to_depth(tree, depth), min(nodes, drafter.context - len(session.committed)))
 
     def check_feedback(self, session, result: common_pb2.VerifyResult) -> None:
         proposal = session.proposal
@@ -132,6 +137,8 @@ class TreeKind(BlockKind):
         session.committed.extend(proposal.draft_ids[node] for node in path)
         session.committed.append(int(verdict.next_token))
         session.lm.keep(n, cached_path(path, proposal.fed, n))
+        if proposal.draft_ids and verdict.timing is not None:
+            session.policy.update(replace(verdict.timing, path=tuple(path)))
 
     # -- the verifier service ----------------------------------------------------------------------------
     def max_block(self, mode, max_k: int) -> int:
@@ -188,7 +195,7 @@ class TreeKind(BlockKind):
     def generate(self, verifier, drafter, prompt_ids, config, mode, *, policy=None, steering=None, tokenizer=None,
                  on_round=None, head=None):
         return tree_generate(verifier, drafter, prompt_ids, config, mode.tree, steering=steering,
-                             tokenizer=tokenizer, on_round=on_round)
+                             tokenizer=tokenizer, on_round=on_round, policy=policy)
 
 
 def output(shape: TreeShape, drafted, batch_size: int = 1) -> DraftOutput:

@@ -23,7 +23,7 @@ from typing import List, Tuple
 
 import torch
 
-from steerspec.blocks.block_mode import BlockMode, parse_mode
+from steerspec.blocks.block_mode import BlockMode, parse_mode, tree_policies
 from steerspec.blocks.kinds import kind_of
 from steerspec.decoding.engine import DecodeConfig
 from steerspec.decoding.sampling import MAX_DRAFT_TOP_K, SamplingParams
@@ -49,7 +49,7 @@ DEPLOYMENTS = ("local", "ray")
 DEFAULT_DEPLOYMENT = "local"
 # chosen from `steerspec bench policies` on the real pair (README, "Draft-length policies"): GammaTune+ was
 # the fastest or within noise of it in process and through the services, and needs no trained head
-DEFAULT_POLICY = "gammatune+"
+DEFAULT_POLICY = "load"  # chains where no tree can run; the default tree is sized by it too
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +86,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
     parser.add_argument("--k", type=int, default=None,
                         help=f"fixed draft length per block, 1..64, i.e. --policy fixed:k=K (default: the "
-                             f"default draft tree on a CPU, else the {DEFAULT_POLICY} policy)")
+                             f"default draft tree on a CPU, else chains, each block sized by the {DEFAULT_POLICY} "
+                             "policy)")
     parser.add_argument("--draft-top-k", type=int, default=64,
                         help="drafter samples from its top-K tokens; 0 = full vocabulary (default: 64)")
 
@@ -96,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser)
     add_model_arguments(parser, verifier="smollm2", drafter="smollm2-sd2")
     parser.add_argument("--policy", default=None, metavar="SPEC",
-                        help=f"draft-length policy NAME[:key=value,...] instead of the default draft tree (default: "
-                             f"fixed with --k when given; {DEFAULT_POLICY} where no tree can run), e.g. fixed:k=4")
+                        help=f"draft-length policy NAME[:key=value,...] (default: fixed with --k when given, else "
+                             f"{DEFAULT_POLICY}, sizing the default draft tree on a CPU), e.g. fixed:k=4")
     parser.add_argument("--mode", default="speculative", choices=MODES,
                         help="speculative (default) or autoregressive (the verifier alone)")
     parser.add_argument("--transport", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
@@ -227,7 +228,7 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
     verification = parse_verification_arg(args)
     chains_only = verification.lossy  # sprinter judges chains; exact and block verification walk trees too
     tree = tree_from_args(args, chains_only) or default_tree(args, chains_only)
-    policy = policy_from_args(args, lossy=verification.lossy) if tree is None else None
+    policy = policy_from_args(args, lossy=verification.lossy) if tree is None else tree_policy(args)
     speculative = args.mode == "speculative"
     runner = _grpc_runner() if args.transport == "grpc" else None
     if verification.lossy and runner is None:
@@ -267,8 +268,10 @@ def generate(args: argparse.Namespace) -> Tuple[object, object]:
 def run_mode(args: argparse.Namespace, speculative: bool) -> BlockMode:
     """The run's block mode (kind, verification rule, tree) from its checked arguments; the policy object is
     built by `policy_from_args`."""
-    return parse_mode(speculative=speculative, k=int(getattr(args, "k", None) or 4), tree=getattr(args, "tree", None)
-                      or "", verification=getattr(args, "verification", None) or "")
+    tree = getattr(args, "tree", None) or ""
+    return parse_mode(speculative=speculative, k=int(getattr(args, "k", None) or 4), tree=tree,
+                      verification=getattr(args, "verification", None) or "",
+                      policy=(getattr(args, "policy", None) or "") if tree else "")
 
 
 def tree_from_args(args: argparse.Namespace, chains_only: bool):
@@ -284,10 +287,24 @@ def tree_from_args(args: argparse.Namespace, chains_only: bool):
         raise UsageError(f"--tree: {exc}") from None
     if getattr(args, "mode", "speculative") != "speculative" or chains_only:
         raise UsageError("--tree needs --mode speculative and a lossless --verification (exact or block)")
-    if getattr(args, "policy", None) or getattr(args, "k", None) is not None:
-        raise UsageError("--tree replaces the draft length: drop --policy and --k")
+    policy = getattr(args, "policy", None)
+    if getattr(args, "k", None) is not None or (policy and policy.split(":")[0].strip() not in tree_policies()):
+        raise UsageError(f"--tree replaces the draft length: drop --k, and --policy unless it sizes trees "
+                         f"({', '.join(tree_policies())})")
     args.tree = shape.spec()
     return shape
+
+
+def tree_policy(args: argparse.Namespace):
+    """The policy sizing a tree's blocks (how many nodes, breadth-first): --policy when it names one, else None
+    (every node); UsageError lists the known ones."""
+    spec = getattr(args, "policy", None)
+    if not spec:
+        return None
+    try:
+        return make_policy(spec)
+    except PolicyError as exc:
+        raise UsageError(f"--policy: {exc}") from None
 
 
 def default_tree(args: argparse.Namespace, chains_only: bool):
@@ -312,7 +329,7 @@ def default_tree(args: argparse.Namespace, chains_only: bool):
         if not FastCachedLM.supports_config(config):
             return None
     shape = parse_tree(DEFAULT_TREE)
-    args.tree = shape.spec()
+    args.tree, args.policy = shape.spec(), DEFAULT_POLICY  # each block sized by the load-aware policy
     return shape
 
 

@@ -36,12 +36,14 @@ from steerspec.decoding.trees import (
     cut_to_depth,
     greedy_walk,
     parse_tree,
+    prefix,
     sampled_walk,
     sibling_proposal,
 )
 from steerspec.models.backends import as_cached
 from steerspec.models.batched import packed_extend
 from steerspec.models.kv import FastCachedLM
+from steerspec.policies.base import BlockFeedback, DraftLengthPolicy
 
 
 def _top(logits: Tensor, count: int) -> List[int]:
@@ -247,10 +249,12 @@ def tree_generate(
     tokenizer=None,
     on_round: Optional[Callable[[RoundRecord], None]] = None,
     distinct: bool = True,
+    policy: Optional[DraftLengthPolicy] = None,
 ) -> GenerationResult:
     """Speculative decoding with a draft tree, lossless: greedy, the verifier's greedy output; at T > 0
     (siblings sampled without replacement, or i.i.d. with `distinct=False`; multi-step speculative
-    sampling) exactly the verifier's distribution.
+    sampling) exactly the verifier's distribution. `policy` (one that sizes trees, e.g. `load`) picks how many of
+    the tree's nodes each block drafts, breadth-first; None drafts them all.
 
     Needs the fast KV backend on both sides (`FastCachedLM`); raises ValueError naming the fix otherwise."""
     shape = parse_tree(tree) if isinstance(tree, str) else tree
@@ -264,6 +268,8 @@ def tree_generate(
         n = len(committed)
         t0 = time.perf_counter()
         here = cut_to_depth(shape, room - 1)
+        if policy is not None:
+            here = prefix(here, max(min(int(policy.next_k()), here.size), 0))
         tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft, distinct)
         t1 = time.perf_counter()
         path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify,
@@ -273,7 +279,18 @@ def tree_generate(
         rest = [i for i in range(len(tokens)) if i not in path]
         order = [tokens[i] for i in path] + [tokens[i] for i in rest]
         block = DraftBlock(tokens=torch.tensor([order], dtype=torch.long), lengths=torch.tensor([len(order)]))
+        paths.append(tuple(path))
         return RoundOut(block, len(path), next_token, hidden, t1 - t0, t2 - t1)
 
+    paths: List[tuple] = []  # each block's accepted nodes, for the policy's feedback
+
+    def after_round(stats) -> None:
+        if policy is not None and stats.drafted:
+            policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
+                                        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, path=paths[-1]))
+
+    if policy is not None:
+        policy.reset()
     result = GenerationResult(token_ids=[], mode="speculative", prompt_tokens=len(prompt))
-    return run_rounds(verifier, drafter, prompt, config, result, one_round, steering, None, tokenizer, on_round)
+    return run_rounds(verifier, drafter, prompt, config, result, one_round, steering, after_round, tokenizer,
+                      on_round)

@@ -9,6 +9,7 @@ from steerspec.policies.fixed import FixedK
 from steerspec.policies.gammatune import GammaTune, GammaTunePlus
 from steerspec.policies.heuristic import Heuristic
 from steerspec.policies.latency import LatencyAware
+from steerspec.policies.load import LoadAware
 from steerspec.policies.pacer import Pacer
 from steerspec.policies.registry import (
            PolicyContext,
@@ -22,6 +23,6 @@ from steerspec.policies.registry import (
 from steerspec.policies.specdecpp import SpecDecPP
 from steerspec.policies.threshold import AssistantThreshold
 
-__all__ = ["AdaEDL", "AssistantThreshold", "GammaTune", "GammaTunePlus", "Heuristic", "LatencyAware",
+__all__ = ["AdaEDL", "AssistantThreshold", "GammaTune", "GammaTunePlus", "Heuristic", "LatencyAware", "LoadAware",
            "Pacer", "SpecDecPP", "BlockFeedback", "DraftLengthPolicy", "DraftStep", "FixedK", "PolicyBase", "PolicyContext",
            "PolicyError", "known_policies", "make_policy", "max_block", "parse_spec", "split_specs"]

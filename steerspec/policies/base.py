@@ -10,7 +10,7 @@ verdict and the block's measured stage times. A policy's state is part of the se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Protocol, runtime_checkable
+from typing import Any, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 from torch import Tensor
 
@@ -36,7 +36,7 @@ class DraftStep:
 
 @dataclass(frozen=True)
 class BlockFeedback:
-    """The verifier's verdict on one block and its measured cost (milliseconds; 0 when unknown).
+    """The verifier's verdict on one block, its measured cost (milliseconds; 0 when unknown) and the verifier's load.
 
     `overhead_ms` is the rest of the block's cycle that drafting, verify, queue and network do not
     explain: through the services the verifier hop's RPC and the coordinator's work; in process the
@@ -49,6 +49,13 @@ class BlockFeedback:
     queue_ms: float = 0.0
     network_ms: float = 0.0
     overhead_ms: float = 0.0
+    path: Tuple[int, ...] = ()  # a tree block's accepted nodes (slots), root to leaf; () for a chain
+    # the verifier's load as it reports it with the result (0 when unknown: in process, an older verifier)
+    batch_size: int = 0  # blocks in the pass that verified this one
+    pass_rows: int = 0  # rows that pass scored
+    blocks_waiting: int = 0  # blocks queued for the next pass
+    cost_fixed_ms: float = 0.0  # its pass cost: cost_fixed_ms + cost_per_row_ms * rows
+    cost_per_row_ms: float = 0.0
 
 
 @runtime_checkable
@@ -61,7 +68,7 @@ class DraftLengthPolicy(Protocol):
     max_k: int
 
     def next_k(self) -> int:
-        """Draft length for the next block (1..max_k)."""
+        """Draft length for the next block (1..max_k; 0 for a policy whose `min_k` is 0: a block of no drafts)."""
 
     def observe(self, step: DraftStep) -> bool:
         """After drafting `step`: True stops the block here (called only when `stops_early`)."""
@@ -90,6 +97,7 @@ class PolicyBase:
     # carries it from sequence to sequence
     warm_start = False
     max_k = MAX_K
+    min_k = MIN_K  # 0: the policy may send blocks of no drafts (the verifier alone's round trip)
 
     def next_k(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError

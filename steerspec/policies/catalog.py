@@ -44,6 +44,7 @@ class PolicyEntry:
     keys: Dict[str, Key] = field(default_factory=dict)
     doc: str = ""
     length_keys: Tuple[str, ...] = ("k",)  # keys whose largest value bounds a block's length
+    trees: bool = False  # sizes draft trees too: next_k is then the nodes of the tree's breadth-first prefix
 
 
 REGISTERED: Dict[str, PolicyEntry] = {}  # filled by @register as each policy module is imported
@@ -54,12 +55,14 @@ def registered() -> Dict[str, PolicyEntry]:
     return dict(REGISTERED)
 
 
-def register(name: str, keys: Dict[str, Key], doc: str = "", length_keys: Tuple[str, ...] = ("k",)) -> Callable:
+def register(name: str, keys: Dict[str, Key], doc: str = "", length_keys: Tuple[str, ...] = ("k",),
+             trees: bool = False) -> Callable:
     """Class decorator: register a policy under `name` with its keys (factory(**params, context=));
-    `length_keys` name the keys whose largest value is the most tokens one block can hold."""
+    `length_keys` name the keys whose largest value is the most tokens one block can hold; `trees`: it sizes
+    draft-tree blocks too (how many of the tree's nodes, breadth-first)."""
 
     def wrap(factory: Callable) -> Callable:
-        REGISTERED[name] = PolicyEntry(name, factory, dict(keys), doc, tuple(length_keys))
+        REGISTERED[name] = PolicyEntry(name, factory, dict(keys), doc, tuple(length_keys), bool(trees))
         return factory
 
     return wrap

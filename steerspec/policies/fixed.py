@@ -8,7 +8,7 @@ from steerspec.policies.base import PolicyBase, check_k
 from steerspec.policies.catalog import Key, register
 
 
-@register("fixed", {"k": Key(int, 8, "tokens per block")}, doc="standard speculative decoding")
+@register("fixed", {"k": Key(int, 8, "tokens per block")}, doc="standard speculative decoding", trees=True)
 class FixedK(PolicyBase):
     """k tokens per block, always."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from steerspec.policies import adaedl, fixed, gammatune, heuristic, latency, pacer, specdecpp, threshold  # noqa: F401  (the bundled policies register themselves)
+from steerspec.policies import adaedl, fixed, gammatune, heuristic, latency, load, pacer, specdecpp, threshold  # noqa: F401  (the bundled policies register themselves)
 from steerspec.policies.base import DraftLengthPolicy
 from steerspec.policies.catalog import Key, PolicyContext, PolicyEntry, PolicyError, register, registered
 

@@ -68,6 +68,11 @@ class WindowBatcher(Generic[J, R]):
         self.max_batch_seen = max(self.max_batch_seen, len(jobs))
         self.rows += sum(self.rows_of(job) for job in jobs)
 
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for a compute pass."""
+        return len(self._pending)
+
     def _timed(self, fn, *args):
         """`fn(*args)`, its seconds added to `busy_s` (one compute call runs at a time)."""
         start = time.perf_counter()

@@ -32,7 +32,7 @@ def test_a_chain_that_names_no_policy_takes_the_default_and_others_keep_their_ow
     ({"tree": "0,11"}, "tree: "),
     ({"tree": "0,1", "speculative": False}, "needs mode 'speculative'"),
     ({"tree": "0,1", "verification": "sprinter"}, "'exact' or 'block'"),
-    ({"tree": "0,1", "policy": "gammatune"}, "policy 'fixed'"),
+    ({"tree": "0,1", "policy": "gammatune"}, "sizes trees (fixed, load)"),
     ({"verification": "sprinter", "policy": "latency"}, "policy 'fixed'"),
     ({"verification": "sprinter", "speculative": False}, "mode 'speculative'"),
     ({"verification": "sprinter:max_run=65"}, "at most 64"),

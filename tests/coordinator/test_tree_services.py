@@ -87,7 +87,7 @@ async def test_a_steered_sd2_drafter_drafts_trees_through_the_services_exactly(p
 
 @pytest.mark.parametrize("kwargs,fix", [
     ({"tree": "0,11"}, "needs its parent"),
-    ({"tree": "0,1", "policy": "gammatune"}, "policy 'fixed'"),
+    ({"tree": "0,1", "policy": "gammatune"}, "sizes trees (fixed, load)"),
     ({"tree": "0,1", "mode": "autoregressive"}, "mode 'speculative'"),
 ])
 async def test_the_coordinator_refuses_a_tree_it_cannot_run(pair, kwargs, fix):

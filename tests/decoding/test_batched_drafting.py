@@ -339,9 +339,10 @@ def _open_trees(drafter: Drafter, model, vectors, specs) -> list:
     prompts = _prompts(model.config.vocab_size, [6, 1, 11, 4], seed=5)
     sessions = []
     for i, (p, prompt, g, spec) in enumerate(zip(params, prompts, vectors, specs)):
+        mode = parse_mode(tree=spec)  # a tree session is bounded by its nodes, as the drafter service opens it
         sessions.append(table.open(f"t{i}", committed=list(prompt), open_length=len(prompt), params=p,
-                                   generator=torch.Generator().manual_seed(70 + i), k=4, draft_top_k=32,
-                                   policy=FixedK(4), max_new_tokens=0, steering=g, mode=parse_mode(tree=spec)))
+                                   generator=torch.Generator().manual_seed(70 + i), k=mode.policy_k, draft_top_k=32,
+                                   policy=FixedK(mode.policy_k), max_new_tokens=0, steering=g, mode=mode))
     return sessions
 
 

@@ -191,7 +191,7 @@ def test_run_with_a_tree_and_block_verification_walks_it_by_traversal(capsys):
 
 @pytest.mark.parametrize("extra,fix", [
     (["--tree", "0,11"], "needs its parent"),
-    (["--tree", "0,1", "--k", "3"], "drop --policy and --k"),
+    (["--tree", "0,1", "--k", "3"], "drop --k, and --policy unless it sizes trees"),
     (["--tree", "0,1", "--mode", "autoregressive"], "--mode speculative"),
     (["--tree", "0,1", "--verification", "sprinter"], "lossless --verification (exact or block)"),
 ])

@@ -1,0 +1,120 @@
+"""The load-aware policy (`load`): block sizes from acceptance per slot, the link and the verifier's reported load;
+exact at any size (greedy output is the verifier's, sampling its distribution), carried through failover."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from steerspec.decoding.engine import DecodeConfig, autoregressive_generate, speculative_generate
+from steerspec.decoding.sampling import SamplingParams
+from steerspec.decoding.tree_decoding import tree_generate
+from steerspec.models.backends import cached_lm
+from steerspec.policies import BlockFeedback, LoadAware, make_policy
+from steerspec.policies.registry import known_policies, max_block
+
+PASS = dict(cost_fixed_ms=41.6, cost_per_row_ms=4.25)  # the edge fit of docs/results/capacity.md (AMD EPYC)
+
+
+def settled(policy: LoadAware, blocks: int, *, accepted: int = 3, drafted: int = 5, path=(0, 3), **load) -> None:
+    """Feed `blocks` verdicts of one shape at one load (RTT 50: network 50 ms; drafting 2.5 ms per draft)."""
+    for _ in range(blocks):
+        policy.next_k()
+        policy.update(BlockFeedback(accepted, drafted, draft_ms=1.0 + 2.5 * drafted, verify_ms=60.0,
+                                    queue_ms=load.get("queue_ms", 0.0), network_ms=50.0, overhead_ms=3.0, path=path,
+                                    batch_size=load.get("batch", 1), cost_fixed_ms=PASS["cost_fixed_ms"],
+                                    cost_per_row_ms=PASS["cost_per_row_ms"]))
+
+
+def test_registered_for_trees_with_its_bound():
+    entry = known_policies()["load"]
+    assert entry.trees and max_block("load:max=6") == 6 and make_policy("load").min_k == 0
+
+
+def test_alone_on_the_verifier_a_tree_of_likely_nodes_pays():
+    """One session, an idle verifier: a tree whose path takes nodes 0 and 3 is priced at one pass of its rows plus
+    the link; the 4-node prefix holds both (node 4 never pays) and beats fewer nodes and the verifier alone."""
+    policy = LoadAware(max=5)
+    settled(policy, 60, accepted=2, drafted=5, path=(0, 3), batch=1)
+    assert policy.next_k() == 4
+    rates = policy.rates()
+    assert rates[4] > max(rates[:4]) and rates[4] > 1.3 * rates[0]
+
+
+def test_a_crowded_verifier_shrinks_the_block_to_what_pays_for_every_session():
+    """16 sessions at 8 blocks a pass, waiting about a pass: priced as if every session sent the same size, the
+    5-node tree costs more verifier time than its tokens are worth; one draft still pays, a rare one does not."""
+    policy = LoadAware(max=5)
+    settled(policy, 60, accepted=2, drafted=5, path=(0, 3), batch=8, queue_ms=60.0)
+    assert policy.next_k() == 1  # the likely first node only
+    weak = LoadAware(max=5)
+    settled(weak, 60, accepted=0, drafted=5, path=(), batch=8, queue_ms=60.0)
+    assert weak.next_k() == 0  # nothing the drafter proposes is accepted: the verifier alone
+
+
+def test_the_choice_follows_the_load_back():
+    policy = LoadAware(max=5)
+    settled(policy, 60, accepted=2, drafted=5, path=(0, 3), batch=8, queue_ms=60.0)
+    busy = policy.next_k()
+    settled(policy, 80, accepted=1, drafted=1, path=(0,), batch=1)
+    assert busy <= 1 and policy.next_k() >= 4
+
+
+def test_blocks_of_no_drafts_keep_measuring_the_load():
+    """A session at n = 0 still reads the verifier's load from each result, so it drafts again when the load
+    falls."""
+    policy = LoadAware(max=4)
+    settled(policy, 40, accepted=0, drafted=4, path=(), batch=16, queue_ms=120.0)
+    assert policy.next_k() == 0
+    for _ in range(60):
+        policy.update(BlockFeedback(0, 0, draft_ms=1.0, verify_ms=45.0, network_ms=50.0, batch_size=1, **PASS))
+    assert policy.blocks < 1.5 and policy.wait < 0.1
+
+
+def test_state_round_trips_through_json():
+    import json
+
+    policy = LoadAware(max=6)
+    settled(policy, 20, batch=4, queue_ms=30.0)
+    copy = LoadAware(max=6)
+    copy.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert copy.rates() == pytest.approx(policy.rates()) and copy.next_k() == policy.next_k()
+    with pytest.raises(ValueError, match="slots"):
+        LoadAware(max=3).load_state_dict(policy.state_dict())
+
+
+@pytest.mark.parametrize("tree", [None, "default"])
+def test_greedy_output_is_the_verifiers_at_every_size(loaded_pair, tree):
+    verifier, drafter, _ = loaded_pair
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    policy = make_policy("load:max=5")
+    config = DecodeConfig(max_new_tokens=24)
+    for ids in ([4, 57, 310, 12, 96], [88, 23, 7]):
+        want = autoregressive_generate(v, ids, config).token_ids
+        got = speculative_generate(v, d, ids, config, policy) if tree is None else \
+            tree_generate(v, d, ids, config, tree, policy=policy)
+        assert got.token_ids == want
+
+
+@pytest.mark.slow
+def test_sampling_with_load_aware_tree_sizes_is_the_verifiers_distribution(loaded_pair, eval_prompts):
+    """1,000 samples of the first two tokens at T = 1, one policy across them (so block sizes change from sample to
+    sample, including blocks of no drafts): the pairs match the verifier's distribution (chi-square)."""
+    from distribution_helpers import P_MIN, first_two_p_values, pick_prompt
+
+    verifier, drafter, tok = loaded_pair
+    params = SamplingParams(temperature=1.0)
+    ids = pick_prompt(verifier, drafter, tok, eval_prompts, params)
+    v, d = cached_lm(verifier), cached_lm(drafter)
+    policy = LoadAware(max=6)
+    n, counts, sizes = 1000, Counter(), Counter()
+    for seed in range(n):
+        if seed % 50 == 25:  # a load report now and then moves the size
+            policy.update(BlockFeedback(0, 0, verify_ms=40.0, network_ms=50.0, batch_size=1 + seed % 16, **PASS))
+        sizes[policy.next_k()] += 1
+        config = DecodeConfig(max_new_tokens=2, sampling=params, draft_top_k=8, seed=7919 * seed + 11)
+        counts[tuple(tree_generate(v, d, ids, config, "0,1,2,00,10,000", policy=policy).token_ids)] += 1
+    assert len(sizes) >= 2, sizes
+    p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
