@@ -31,7 +31,7 @@ test: $(STAMP)
 # The fast loop: pure math, models, policies and each service alone, without the slow, Redis, Ray, real-pair
 # and GPU tests (about a minute on 2 cores). `make test` still runs everything.
 FAST_DIRS := tests/test_layering.py tests/blocks tests/decoding tests/models tests/policies tests/steering tests/sprinter \
-             tests/data tests/serving tests/observability tests/drafter_service tests/verifier_service
+             tests/data tests/serving tests/observability tests/drafter_service tests/verifier_service tests/docs
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-m "not slow and not redis and not ray and not real_pair and not cuda" $(FAST_DIRS)

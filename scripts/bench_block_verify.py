@@ -1,9 +1,10 @@
 """Block verification against token-wise acceptance on the same blocks, in process (T > 0).
 
     python scripts/bench_block_verify.py --drafter smollm2-sd2 --sets fresh,indist --prompts 16 --seeds 0,1 \
-        --ks 2,4,6,8 --threads 2 --out docs/bench-block-verify-smollm2.json
+        --ks 2,4,6,8 --threads 2 --out docs/results/data/verification/bench-block-verify-smollm2.json
     python scripts/bench_block_verify.py --drafter smollm2-sd2 --sets fresh,indist --prompts 16 --seeds 0,1 \
-        --ks "" --trees "default;0,1,2,00,01,10,000,100" --threads 2 --out docs/bench-traversal-smollm2.json
+        --ks "" --trees "default;0,1,2,00,01,10,000,100" --threads 2 \
+        --out docs/results/data/verification/bench-traversal-smollm2.json
 
 Generates with token-wise acceptance (`speculative_generate`, fixed k, an SD² drafter steered) and, at every
 block the verifier checks, computes the expected accepted drafts given those drafts under both rules

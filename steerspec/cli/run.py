@@ -47,7 +47,7 @@ TRANSPORTS = ("inproc", "grpc")
 DEFAULT_TRANSPORT = "grpc"
 DEPLOYMENTS = ("local", "ray")
 DEFAULT_DEPLOYMENT = "local"
-# chosen from `steerspec bench policies` on the real pair (README, "Draft-length policies"): GammaTune+ was
+# chosen from `steerspec bench policies` on the real pair (docs/results/policies.md, "The defaults"): GammaTune+ was
 # the fastest or within noise of it in process and through the services, and needs no trained head
 DEFAULT_POLICY = "load"  # chains where no tree can run; the default tree is sized by it too
 
@@ -310,9 +310,9 @@ def tree_policy(args: argparse.Namespace):
 def default_tree(args: argparse.Namespace, chains_only: bool):
     """The default draft tree, when `steerspec run` is given no --tree, --policy or --k: on the real pair it
     is faster than every draft-length policy measured, in process and through the services
-    (docs/results/real-pair.md). None (chains under DEFAULT_POLICY) for autoregressive or lossy runs, a GPU
-    (trees are not measured there yet), architectures without the lean KV cache trees need, and a remote
-    --coordinator (its replicas' devices and models are not known here)."""
+    (docs/results/policies.md, "The defaults"). None (chains under DEFAULT_POLICY) for autoregressive or
+    lossy runs, a GPU (trees are not measured there yet), architectures without the lean KV cache trees
+    need, and a remote --coordinator (its replicas' devices and models are not known here)."""
     if getattr(args, "policy", None) or getattr(args, "k", None) is not None or chains_only or \
             getattr(args, "mode", "speculative") != "speculative" or str(getattr(args, "device", "cpu")) != "cpu" \
             or getattr(args, "coordinator", None):

@@ -6,7 +6,7 @@ node in one pass, acceptance walks the tree (`trees.greedy_walk`), and both cach
 only the accepted path (`FastCachedLM.keep`); several sequences' trees share the drafter's passes
 (`draft_trees`, what the drafter service runs for concurrent tree sessions). On the 2-core CPU a
 verifier pass of up to 6 rows costs about what one of 3 does, so a small tree commits more tokens per
-pass than a chain at the same drafter cost (docs/results/real-pair.md, "Draft trees").
+pass than a chain at the same drafter cost (docs/results/engine.md, docs/results/services.md).
 Greedy, the output is the verifier's greedy output, token for token; at T > 0 each node's children are
 samples of the drafter's distribution there, drawn without replacement (or i.i.d.), and acceptance is
 multi-step speculative sampling with recursive residuals (`trees.sampled_walk`), or with

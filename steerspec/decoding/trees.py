@@ -23,7 +23,7 @@ from torch import Tensor
 MAX_NODES = 64
 MAX_RANK = 9
 
-# Chosen from measurement (docs/results/real-pair.md, "Draft trees"): depth 2, 5 nodes, the fastest
+# Chosen from measurement (current figures: docs/results/engine.md, services.md): depth 2, 5 nodes, the fastest
 # of 13 trees tried with `smollm2-sd2` on the AVX-512 EPYC; passes of 7 or more rows cost more there.
 DEFAULT_TREE = "0,1,2,00,10"
 

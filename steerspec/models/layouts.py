@@ -6,7 +6,7 @@ drafter's catch-up feed, a batch of sessions) is another matter: MKL's small-M s
 weight across rows on every CPU, so such a pass costs close to one step per row. The lean forwards
 therefore keep oneDNN-packed copies of the weights (`torch.ops.mkldnn._linear_pointwise`, what
 inductor's CPU freezing uses) for passes of at least `STEERSPEC_ONEDNN_MIN_ROWS` rows (default 2; 0 turns
-them off; float32, and bfloat16 on a CPU with native bf16 instructions). Measured by `steerspec bench layouts` (docs/results/real-pair.md, "oneDNN").
+them off; float32, and bfloat16 on a CPU with native bf16 instructions). Measured by `steerspec bench layouts` (docs/results/engine.md, "CPU kernels").
 Where oneDNN is off, out-major copies serve the row counts in `STEERSPEC_OUT_MAJOR_ROWS` (default 2,3;
 empty: none), as measured on the 2-core VM of earlier sessions, SmolLM2-135M, fp32, one thread: 2 rows 63.4 → 49.0 ms,
 3 rows 64.3 → 54.1 ms, one row 43.8 against 47.4. Each copy is made on first use, once per model and
