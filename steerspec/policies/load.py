@@ -5,22 +5,25 @@ token per round trip) commits E(n) = 1 + Σ_{i<n} p_i tokens on average, p_i the
 accepted path (for a chain: the first i + 1 drafts accepted), learned per slot from the verdicts (a running mean
 from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
 
-    T(n) = d(n) + o + (1 + w) · c(B · (n + 1))
+    T(n) = d(n) + o + W + P,   P = c(B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
-with d(n) the drafter's cost line (`CostLine`, d(0) its per-call part), o the EWMA of network and overhead ms, c the
-verifier's pass cost against the rows it scores — measured by the verifier over its own recent passes and sent
-with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — B the EWMA of blocks per pass
-(VerifyResult.batch_size) and w the EWMA of the time a block waited for its pass, in passes (queue_ms /
-verify_ms). B · (n + 1) prices the block as if every session sharing the pass sized its blocks alike: they run
-this same policy on the same signal, so they converge on the size that is best for all of them, and a session does
-not grow its block because its own rows are a small part of a crowded pass (the selfish choice, which on a busy
-verifier costs every session more than it gains). Without a report (in process, or an older verifier) c is the
-session's own verify cost line and B = 1, w = 0: then the choice is the `latency` policy's without its stop.
+d(n) the drafter's cost line (`CostLine`, in rows so that blocks of no drafts measure it too), o the EWMA of network
+and overhead ms, c the verifier's pass cost against the rows it scores — measured by the verifier over its own
+recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
+sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
+of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
+as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
+converge on the size that is best for all of them, and a session does not grow its block because its own rows are a
+small part of a crowded pass — the selfish choice, which on a busy verifier costs every session more than it
+gains); B of them arrive during a pass and share the next one; a block waits on average half a pass times ρ, the
+busy share the other sessions keep the verifier at. Without a report (in process, or an older verifier) P is the
+session's own verify cost line and N = 1: then the choice is the `latency` policy's without its stop.
 
 A worked example with the pass cost measured on an AMD EPYC VM (2 cores, edge placement, RTT 50: c = 41.6 ms +
-4.25 ms per row, docs/results/capacity.md): alone on the verifier, the default tree's 5 nodes round in about 1.3×
-the verifier alone's time for about 2.1 tokens, so they pay; at 8 blocks per pass they round in about 2.7× for the
-same tokens, and one draft (about 1.35× for 1.65 tokens) pays best.
+4.25 ms per row, docs/results/capacity.md) and the default tree's slots accepted 65, 12, 5, 45 and 8% of the time:
+alone on the verifier the model prices the tree's first 4 nodes at 1.8× the verifier alone's tokens per second;
+at about 4 sessions still 4 nodes (1.5×), at 8 and 16 one draft (1.4×, 1.2×), at about 40 none (each extra row
+then costs every session more than the draft earns).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from steerspec.policies.costline import CostLine
 
 CLIP = (0.001, 0.999)
 PRIOR_COUNT = 2.0  # the prior weighs as this many verdicts
-MAX_WAIT = 2.0  # passes a block is modelled to wait for its own, at most
+LOAD_BETA = 0.3  # EWMA weight of the load's observations (blocks per pass, cycle, pass): it changes faster
+FIXED_POINT_STEPS = 12
 FIRST_K = 4  # the first block's size, before any cost was measured
 STALE = 0.01  # a size whose cost-line weight fell below this was not measured recently
 
@@ -68,8 +72,9 @@ class LoadAware(PolicyBase):
         self.draft = CostLine(self.max_k + 1, self.beta, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
         self.verify = CostLine(self.max_k + 1, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
         self.overhead_ms = 0.0
-        self.blocks = 1.0  # blocks per verifier pass
-        self.wait = 0.0  # a block's wait for its pass, in passes
+        self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
+        self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
+        self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
         self.pass_line = (0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per row (0, 0: none)
         self.seen = 0
         self.last_k = 0
@@ -78,16 +83,34 @@ class LoadAware(PolicyBase):
     def expected_tokens(self, n: int) -> float:
         return 1.0 + sum(self.include[:n])
 
-    def pass_ms(self) -> List[float]:
-        """The modelled verify pass for blocks of n = 0..max drafts from every session in it."""
+    @property
+    def reported(self) -> bool:
+        return self.pass_line[0] > 0.0 or self.pass_line[1] > 0.0
+
+    @property
+    def sessions(self) -> float:
+        """N, the sessions sharing the verifier: blocks per pass over the share of a cycle a pass takes."""
+        if not self.reported or self.pass_obs_ms <= 0.0:
+            return 1.0
+        return 1.0 + max(self.blocks - 1.0, 0.0) * max(self.cycle_ms, self.pass_obs_ms) / self.pass_obs_ms
+
+    def round_ms(self, n: int, draft_ms: float) -> float:
+        """T(n): the closed loop's fixed point with every session sending blocks of n drafts."""
+        if not self.reported:
+            return draft_ms + self.overhead_ms + self.verify.table()[n]
         fixed, per_row = self.pass_line
-        if per_row > 0.0 or fixed > 0.0:
-            return [fixed + per_row * self.blocks * (n + 1) for n in range(self.max_k + 1)]
-        return self.verify.table()  # in process: the session's own verify line
+        sessions, blocks = self.sessions, max(self.blocks, 1.0)
+        total = draft_ms + self.overhead_ms + fixed
+        for _ in range(FIXED_POINT_STEPS):
+            pass_ms = fixed + per_row * blocks * (n + 1)
+            busy = min(1.0, (sessions - 1.0) * pass_ms / max(total * blocks, 1e-6))  # the others' share
+            total = draft_ms + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
+            blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
+        return total
 
     def block_ms(self) -> List[float]:
-        """The modelled round of a block of n = 0..max drafts: drafting, the link and overhead, wait and pass."""
-        return [d + self.overhead_ms + (1.0 + self.wait) * v for d, v in zip(self.draft.table(), self.pass_ms())]
+        """The modelled round of a block of n = 0..max drafts."""
+        return [self.round_ms(n, d) for n, d in enumerate(self.draft.table())]
 
     def rates(self) -> List[float]:
         """E(n)/T(n) for n = 0..max."""
@@ -112,17 +135,19 @@ class LoadAware(PolicyBase):
         return best
 
     def update(self, feedback: BlockFeedback) -> None:
-        b = self.beta
+        b, fast = self.beta, LOAD_BETA  # the load moves faster than the pair and the link
+        first = not self.seen
         if feedback.batch_size:
-            self.blocks = float(feedback.batch_size) if not self.seen else \
-                (1 - b) * self.blocks + b * float(feedback.batch_size)
+            self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
         if feedback.cost_per_row_ms > 0.0 or feedback.cost_fixed_ms > 0.0:
             self.pass_line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_row_ms))
         if feedback.verify_ms > 0.0:
-            wait = min(MAX_WAIT, feedback.queue_ms / feedback.verify_ms)
-            self.wait = wait if not self.seen else (1 - b) * self.wait + b * wait
+            cycle = feedback.draft_ms + feedback.network_ms + feedback.overhead_ms + feedback.queue_ms + \
+                feedback.verify_ms
+            self.cycle_ms = cycle if first else (1 - fast) * self.cycle_ms + fast * cycle
+            self.pass_obs_ms = feedback.verify_ms if first else (1 - fast) * self.pass_obs_ms + fast * feedback.verify_ms
         overhead = feedback.network_ms + feedback.overhead_ms
-        self.overhead_ms = overhead if not self.seen else (1 - b) * self.overhead_ms + b * overhead
+        self.overhead_ms = overhead if first else (1 - b) * self.overhead_ms + b * overhead
         self.seen += 1
         drafted = min(int(feedback.drafted), self.max_k)
         self.draft.add(drafted + 1, feedback.draft_ms)
@@ -136,7 +161,8 @@ class LoadAware(PolicyBase):
     def state_dict(self) -> Dict[str, Any]:
         return {"include": list(self.include), "judged": list(self.judged), "draft": self.draft.state_dict(),
                 "verify": self.verify.state_dict(), "overhead_ms": self.overhead_ms, "blocks": self.blocks,
-                "wait": self.wait, "pass_line": list(self.pass_line), "seen": self.seen}
+                "cycle_ms": self.cycle_ms, "pass_obs_ms": self.pass_obs_ms, "pass_line": list(self.pass_line),
+                "seen": self.seen}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         include = [float(p) for p in state["include"]]
@@ -147,8 +173,8 @@ class LoadAware(PolicyBase):
         self.verify.load_state_dict(state["verify"])
         fixed, per_row = (float(v) for v in state["pass_line"])
         self.include, self.judged, self.pass_line = include, judged, (fixed, per_row)
-        self.overhead_ms, self.blocks, self.wait = float(state["overhead_ms"]), float(state["blocks"]), \
-            float(state["wait"])
+        self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
+        self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         self.seen = int(state["seen"])
 
     def __repr__(self) -> str:
