@@ -290,3 +290,35 @@ def test_a_client_that_disconnects_mid_stream_ends_the_session_on_every_service(
         assert not served.cluster.coordinator.quota.running
     finally:
         served.cluster.set_link(NO_LINK)
+
+
+def test_tls_and_mutual_tls_with_the_coordinators_certificates(served, tmp_path):
+    import ssl
+
+    from pki_helpers import make_pki
+    from steerspec.serving import security
+
+    pki = make_pki(tmp_path, "tok")
+    cert, key = pki["server"]
+    for mutual in (False, True):
+        server = security.server_security(cert, key, pki["ca"] if mutual else None, pki["tokens"])
+        http = served.thread.run(start_http(served.cluster.coordinator, port=0, server_security=server))
+        try:
+            assert http.url.startswith("https://")
+            context = ssl.create_default_context(cafile=pki["ca"])
+            if mutual:
+                context.load_cert_chain(*pki["client"])
+            client = openai.OpenAI(base_url=http.url + "/v1", api_key="tok", max_retries=0,
+                                   http_client=openai.DefaultHttpxClient(verify=context))
+            out = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=3, temperature=0)
+            assert out.choices[0].text == served.greedy_text(PROMPT, 3)
+            plain = openai.OpenAI(base_url=http.url + "/v1", api_key="tok", max_retries=0,
+                                  http_client=openai.DefaultHttpxClient(
+                                      verify=ssl.create_default_context(cafile=pki["ca"])))
+            if mutual:  # no client certificate: the handshake fails
+                with pytest.raises(openai.APIConnectionError):
+                    plain.models.list()
+            else:
+                assert plain.models.list().data[0].id == served.model
+        finally:
+            served.thread.run(http.stop())
