@@ -78,6 +78,32 @@ class TextStream:
         return "" if self.tokenizer is None else self._decode(self.ids)
 
 
+class RequestClock:
+    """When one request's tokens came: its GenAI server metrics (TTFT, TPOT, duration) at its end."""
+
+    def __init__(self, operation: str, model: str) -> None:
+        self.operation, self.model = operation, model
+        self.started = time.perf_counter()
+        self.first: Optional[float] = None
+        self.last = self.started
+        self.count = 0
+        self.error = ""  # the status code's name when the request failed
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+        self.count += n
+
+    def observe(self, metrics) -> None:
+        ttft = None if self.first is None else self.first - self.started
+        tpot = (self.last - self.first) / (self.count - 1) if self.first is not None and self.count > 1 else None
+        metrics.observe_request(self.operation, self.model, ttft, tpot, time.perf_counter() - self.started,
+                                self.error.lower())
+
+
 class Coordinator:
     """Registry, placement, channels and the session loop config of one coordinator process."""
 
@@ -285,10 +311,12 @@ class Coordinator:
             trace_id = f"{span_context.trace_id:032x}" if span_context.is_valid else ""
             claim = self.ownership.claim(session.session_id, identity) if session.session_id \
                 else contextlib.nullcontext()
+            clock = RequestClock(operation, self.model_name)
             try:
                 with self.quota.hold(identity):
                     async with claim, contextlib.aclosing(self.generate(session, deadline)) as responses:
                         async for response in responses:
+                            clock.tokens(len(response.chunk.token_ids) if response.HasField("chunk") else 0)
                             if response.HasField("summary"):
                                 response.summary.trace_id = trace_id
                                 _count_resumes(response.summary.resumes)
@@ -296,12 +324,23 @@ class Coordinator:
                                     span.set_attributes(genai.response_attributes(response.summary))
                             yield response
             except ClaimError as exc:
+                clock.error = exc.code.name
                 raise SessionError(exc.code, exc.message) from None
             except RedisError as exc:
                 log.warning("session %s: the store failed: %s", session.session_id, exc)
+                clock.error = grpc.StatusCode.UNAVAILABLE.name
                 raise SessionError(grpc.StatusCode.UNAVAILABLE,
                                    f"the session store (Redis) failed: {(str(exc).splitlines() or [''])[0]}; "
                                    "retry once it is back (the SDK retries UNAVAILABLE)") from None
+            except SessionError as exc:
+                clock.error = exc.code.name
+                raise
+            except BaseException:  # cancelled: the caller went away
+                clock.error = clock.error or grpc.StatusCode.CANCELLED.name
+                raise
+            finally:
+                if self.config.metrics is not None:
+                    clock.observe(self.config.metrics)
 
     @property
     def model_name(self) -> str:
