@@ -321,7 +321,7 @@ class Coordinator:
                                 response.summary.trace_id = trace_id
                                 _count_resumes(response.summary.resumes)
                                 if tracer is not None:
-                                    span.set_attributes(genai.response_attributes(response.summary))
+                                    span.set_attributes(genai.response_attributes(response.summary, self.model_name))
                             yield response
             except ClaimError as exc:
                 clock.error = exc.code.name

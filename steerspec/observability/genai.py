@@ -41,9 +41,9 @@ def request_attributes(operation: str, model: str, session) -> Dict[str, Attribu
     return out
 
 
-def response_attributes(summary) -> Dict[str, Attribute]:
-    """gen_ai.* response attributes from a GenerationSummary (usage, finish reason, response id)."""
-    return {
+def response_attributes(summary, model: str = "") -> Dict[str, Attribute]:
+    """gen_ai.* response attributes from a GenerationSummary (usage, finish reason, response id and model)."""
+    return {**({"gen_ai.response.model": model} if model else {}),
         "gen_ai.response.id": str(summary.session_id),
         "gen_ai.response.finish_reasons": [finish_reason(summary.finish_reason)],
         "gen_ai.usage.input_tokens": int(summary.prompt_tokens),
