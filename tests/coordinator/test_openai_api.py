@@ -322,3 +322,20 @@ def test_tls_and_mutual_tls_with_the_coordinators_certificates(served, tmp_path)
                 assert plain.models.list().data[0].id == served.model
         finally:
             served.thread.run(http.stop())
+
+
+def test_the_ray_deployments_coordinator_serves_the_http_api(served):
+    """The Ray actor's class (coordinator/ray_app.CoordinatorServer, run here without Ray) with http_port."""
+    from coordinator.ray_app import CoordinatorServer
+
+    actor = CoordinatorServer(verifiers=served.cluster.verifier_targets, drafters=served.cluster.drafter_targets,
+                              tokenizer=str(served.cluster.verifier), http_port=0)
+    served.thread.run(actor.start())
+    try:
+        url = actor.http_url()
+        assert url.startswith("http://127.0.0.1:")
+        out = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
+            model=served.model, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert out.choices[0].text == served.greedy_text(PROMPT, 6)
+    finally:
+        served.thread.run(actor.stop())
