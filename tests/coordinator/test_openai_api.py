@@ -292,6 +292,7 @@ def test_a_client_that_disconnects_mid_stream_ends_the_session_on_every_service(
         served.cluster.set_link(NO_LINK)
 
 
+@pytest.mark.slow
 def test_tls_and_mutual_tls_with_the_coordinators_certificates(served, tmp_path):
     import ssl
 

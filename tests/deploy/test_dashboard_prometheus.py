@@ -145,14 +145,10 @@ def _generate(services, n_grpc: int, n_http: int) -> list:
     return out
 
 
-def test_every_dashboard_panel_evaluates_on_prometheus_scraping_the_real_services(services):
-    prom = services["prometheus"]
-    warm = _generate(services, 1, 1)  # every labelled series exists before the measured window's first scrape
-    time.sleep(0.6)
-    measured = _generate(services, 2, 2)
-    runs = warm + measured
+def _counters(runs) -> dict:
+    """What the services' counters must read after `runs` (each run's own summary figures)."""
     drafted, accepted = sum(r[0] for r in runs), sum(r[1] for r in runs)
-    want = {'steerspec_spec_decode_num_draft_tokens_total{service="coordinator"}': drafted,
+    return {'steerspec_spec_decode_num_draft_tokens_total{service="coordinator"}': drafted,
             'steerspec_spec_decode_num_accepted_tokens_total{service="coordinator"}': accepted,
             'steerspec_spec_decode_num_drafts_total{service="coordinator"}': sum(r[2] for r in runs),
             'steerspec_spec_decode_num_draft_tokens_total{service="verifier"}': drafted,
@@ -161,13 +157,28 @@ def test_every_dashboard_panel_evaluates_on_prometheus_scraping_the_real_service
             'sum(steerspec_generations_total{service="coordinator"})': len(runs),
             'sum(gen_ai_server_request_duration_seconds_count{service="coordinator"})': len(runs),
             'sum(steerspec_spec_decode_num_accepted_tokens_per_pos_total{service="coordinator"})': accepted}
-    deadline = time.monotonic() + 10
-    while True:  # until the last generations' counters are scraped
+
+
+def _scraped(prom: str, want: dict, timeout_s: float = 10.0) -> dict:
+    """The counters as Prometheus reads them, once they reach `want` (or at the timeout)."""
+    want = {k: float(v) for k, v in want.items()}
+    deadline = time.monotonic() + timeout_s
+    while True:
         got = {expr: _scalar(prom, expr) for expr in want}
-        if got == {k: float(v) for k, v in want.items()} or time.monotonic() > deadline:
-            break
+        if got == want or time.monotonic() > deadline:
+            return got
         time.sleep(0.1)
-    assert got == {k: float(v) for k, v in want.items()}
+
+
+def test_every_dashboard_panel_evaluates_on_prometheus_scraping_the_real_services(services):
+    prom = services["prometheus"]
+    warm = _generate(services, 1, 1)  # every labelled series exists, and is scraped, before the measured window
+    assert _scraped(prom, _counters(warm)) == {k: float(v) for k, v in _counters(warm).items()}
+    window_start = time.time()
+    time.sleep(0.6)  # flat samples open the measured window
+    measured = _generate(services, 2, 2)
+    want = _counters(warm + measured)
+    assert _scraped(prom, want) == {k: float(v) for k, v in want.items()}
     dashboard = json.loads(DASHBOARD.read_text())
     evaluated = 0
     for panel in dashboard["panels"]:
@@ -179,10 +190,11 @@ def test_every_dashboard_panel_evaluates_on_prometheus_scraping_the_real_service
             assert all(math.isfinite(v) for v in values), f"panel '{panel['title']}': {expr} -> {values}"
             evaluated += 1
     assert evaluated >= 25
-    m_drafted, m_accepted = sum(r[0] for r in measured), sum(r[1] for r in measured)
+    # over a window holding just the measured generations, the ratio panels equal their summaries' ratios
+    window = f"{int((time.time() - window_start) * 1000)}ms"
+    m_drafted, m_accepted, steps = (sum(r[i] for r in measured) for i in range(3))
     rate = next(p for p in dashboard["panels"] if p["title"] == "Acceptance rate")["targets"][0]["expr"]
-    assert _scalar(prom, rate.replace("$__rate_interval", WINDOW)) == pytest.approx(m_accepted / m_drafted, rel=1e-6)
-    steps = sum(r[2] for r in measured)
+    assert _scalar(prom, rate.replace("$__rate_interval", window)) == pytest.approx(m_accepted / m_drafted, rel=1e-6)
     length = next(p for p in dashboard["panels"] if p["title"] == "Mean acceptance length")["targets"][0]["expr"]
-    assert _scalar(prom, length.replace("$__rate_interval", WINDOW)) == pytest.approx(1 + m_accepted / steps,
+    assert _scalar(prom, length.replace("$__rate_interval", window)) == pytest.approx(1 + m_accepted / steps,
                                                                                      rel=1e-6)
