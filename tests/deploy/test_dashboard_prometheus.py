@@ -164,7 +164,8 @@ def _scraped(prom: str, want: dict, timeout_s: float = 10.0) -> dict:
     want = {k: float(v) for k, v in want.items()}
     deadline = time.monotonic() + timeout_s
     while True:
-        got = {expr: _scalar(prom, expr) for expr in want}
+        got = {expr: [float(r["value"][1]) for r in _query(prom, expr)] for expr in want}
+        got = {expr: values[0] if len(values) == 1 else values for expr, values in got.items()}  # [] until scraped
         if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.1)
