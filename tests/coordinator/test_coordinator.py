@@ -56,6 +56,8 @@ async def test_link_delay_is_accurate():
     (["--rtt-ms", "-5"], "--rtt-ms"),
     (["--rtt-ms", "10", "--jitter-ms", "20"], "--jitter-ms"),
     (["--bandwidth-mbps", "nan"], "--bandwidth-mbps"),
+    (["--http-port", "70000"], "--http-port"),
+    (["--http-port", "0", "--http-host", "0.0.0.0"], "refusing to serve plaintext on 0.0.0.0"),
 ])
 def test_serve_coordinator_rejects_bad_flags(argv, needle, capsys):
     from steerspec.cli import main
