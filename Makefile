@@ -26,6 +26,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/ensure-redis.sh
+	bash scripts/ensure-prometheus.sh
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -q -p no:cacheprovider
 
 # The fast loop: pure math, models, policies and each service alone, without the slow, Redis, Ray, real-pair

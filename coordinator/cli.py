@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions-per-identity", type=int, default=0, metavar="N",
                         help="generations one identity (token, client certificate, or all unauthenticated callers "
                              "together) may run at once here; more get RESOURCE_EXHAUSTED (default 0: no limit)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                             "/v1/models, /health) on this port (0 = any free port), with the same TLS and tokens")
+    parser.add_argument("--http-host", default=None, help="address for the HTTP API (default: --host)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default=None,
                         help="address for /metrics (default: --host; 0.0.0.0 lets a Prometheus container scrape it)")
@@ -147,8 +151,11 @@ async def _main(args) -> int:
                               tracer=tracer, heartbeat_ttl_s=args.heartbeat_ttl_s, allow_lossy=args.allow_lossy,
                               max_sessions_per_identity=args.max_sessions_per_identity,
                               defaults=policy_defaults(args.policy), **coordinator_kwargs(model, args.max_length))
-    running = await serve(coordinator, host=args.host, port=args.port)
+    running = await serve(coordinator, host=args.host, port=args.port, http_port=args.http_port,
+                          http_host=args.http_host)
     following = f" for {model.identity.label()}" if model is not None and model.identity is not None else ""
+    if coordinator.http is not None:
+        print(f"steerspec coordinator OpenAI-compatible API at {coordinator.http.url}/v1", flush=True)
     print(f"steerspec coordinator serving on {running.target}{following}", flush=True)
     await serve_until_signal(running, grace=args.grace_s)
     return 0
@@ -171,6 +178,9 @@ def run(args) -> int:
     logs.setup(args.log_level, args.log_format)
     if args.metrics_port is not None:
         check_port(args.metrics_port, "--metrics-port")
+    if args.http_port is not None:
+        check_port(args.http_port, "--http-port")
+        security.current_server().check_bind(args.http_host or args.host)
     if not parse_targets(args.verifier, "--verifier") and not args.redis_url:
         raise UsageError("no verifier to place sessions on: pass --verifier HOST:PORT, or --redis-url where "
                          "replicas register themselves (steerspec serve verifier --redis-url URL)")

@@ -34,7 +34,7 @@ import asyncio
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
@@ -89,6 +89,9 @@ class Summary:
     # lossy sessions: measured eta_tp/eta_fp, Theorem 1's tv_bound beside the measured deviation (tv_measured),
     # mean vs Theorem 2's expected run length
     sprinter: Optional[Dict[str, float]] = None
+    block_drafted: List[int] = field(default_factory=list)  # per verified block: draft tokens proposed
+    block_accepted: List[int] = field(default_factory=list)  # per verified block: draft tokens accepted
+    prompt_tokens: int = 0
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -103,7 +106,8 @@ class Summary:
                    wall_s=msg.wall_s, finish_reason=msg.finish_reason, resumes=msg.resumes, trace_id=msg.trace_id,
                    retries=retries, lossy=msg.lossy, verification=msg.verification or "exact",
                    draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size,
-                   sprinter=_sprinter_theory(msg))
+                   sprinter=_sprinter_theory(msg), block_drafted=list(msg.block_drafted),
+                   block_accepted=list(msg.block_accepted), prompt_tokens=msg.prompt_tokens)
 
 
 def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[str, float]]:
@@ -120,7 +124,7 @@ Item = Union[Chunk, Summary]
 
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
-             steering, session_id, verification="exact", tree="", block_kind="") -> coordinator_pb2.GenerateRequest:
+             steering, session_id, verification="exact", tree="", block_kind="", stop=()) -> coordinator_pb2.GenerateRequest:
     # lazy: the SDK imports without torch
     from steerspec.decoding.trees import parse_tree
     from steerspec.sprinter.spec import parse_verification
@@ -135,7 +139,7 @@ def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, s
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed, k=k,
         draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
         session_id=session_id or uuid.uuid4().hex, verification=verification, tree=tree or "",
-        block_kind=block_kind or "")
+        block_kind=block_kind or "", stop=[stop] if isinstance(stop, str) else list(stop or ()))
 
 
 class _Dedup:
@@ -167,7 +171,7 @@ class _Dedup:
         text_start, self.char_position = self.char_position, self.char_position + len(chunk.text)
         text = chunk.text[max(0, min(self.delivered_chars, self.char_position) - text_start):]
         fresh = ids[overlap:]
-        if not fresh:
+        if not fresh and not (text and not ids):  # a text-only chunk: the tail a stop sequence held back
             return None
         self.delivered.extend(fresh)
         self.delivered_chars += len(text)
@@ -273,15 +277,17 @@ class Client:
                  policy: str = "",
                  steering: bool = False, session_id: Optional[str] = None,
                  timeout: Optional[float] = None, verification: str = "exact", tree: str = "",
-                 block_kind: str = "") -> Iterator[Item]:
+                 block_kind: str = "", stop: Union[str, Sequence[str]] = ()) -> Iterator[Item]:
         """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator). `tree`: a draft tree's
-        rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy. `block_kind`: a block
-        kind registered on the services outside the bundled ones (steerspec/blocks/), by name."""
+        rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy; naming no k, tree or policy
+        gets the deployment's load-aware default. `block_kind`: a block kind registered on the services outside the
+        bundled ones (steerspec/blocks/), by name. `stop`: stop sequences (the text ends before the first match;
+        finish_reason "stop")."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification, tree=tree,
-                           block_kind=block_kind)
+                           block_kind=block_kind, stop=stop)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0
@@ -311,13 +317,13 @@ class Client:
                         seed: Optional[int] = None, k: int = 0, draft_top_k: int = 64, mode: str = "speculative",
                         policy: str = "", steering: bool = False, session_id: Optional[str] = None,
                         timeout: Optional[float] = None, verification: str = "exact",
-                        tree: str = "", block_kind: str = "") -> AsyncIterator[Item]:
+                        tree: str = "", block_kind: str = "", stop: Union[str, Sequence[str]] = ()) -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification, tree=tree,
-                           block_kind=block_kind)
+                           block_kind=block_kind, stop=stop)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0

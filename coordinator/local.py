@@ -83,6 +83,7 @@ class LocalCluster:
     redis_url: Optional[str] = None  # registry and checkpoints in Redis (default: `store` or in-process)
     allow_lossy: bool = False  # the coordinator serves lossy verification (sprinter) requests
     coordinator_options: dict = field(default_factory=dict)  # more Coordinator arguments (max_sessions_per_identity)
+    http_port: Optional[int] = None  # also serve the OpenAI-compatible HTTP API (0: any free port; `http_url`)
 
     def __post_init__(self) -> None:
         self._servers: List[object] = []
@@ -159,7 +160,7 @@ class LocalCluster:
                                        drafters=self.drafter_targets, link=self.link, metrics=self.metrics,
                                        tracer=self.tracer, heartbeat_ttl_s=self.heartbeat_ttl_s,
                                        allow_lossy=self.allow_lossy, **kwargs, **self.coordinator_options)
-        running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0)
+        running = await serve_coordinator(self.coordinator, host="127.0.0.1", port=0, http_port=self.http_port)
         self._servers.append(running)
         self.target = running.target
 
@@ -176,6 +177,12 @@ class LocalCluster:
                 pass
         if self.trace_file:
             flush_tracing()
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL ("" unless started with `http_port`)."""
+        http = self.coordinator.http if self.coordinator is not None else None
+        return http.url if http is not None else ""
 
     def set_link(self, link: LinkModel) -> None:
         """Change the emulated coordinator↔verifier link for the sessions started from now on."""

@@ -128,6 +128,7 @@ class SessionRequest:
     verification: str = "exact"  # "block" (exact), or "sprinter[:...]" (lossy; admitted only with --allow-lossy)
     tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/decoding/trees.py)
     block_kind: str = ""  # a block kind registered outside the bundled ones, by name (steerspec/blocks/)
+    stop: Tuple[str, ...] = ()  # stop sequences, applied to the text by the coordinator (coordinator/stops.py)
 
     _mode: Optional[BlockMode] = field(default=None, init=False, repr=False, compare=False)
 
@@ -197,7 +198,8 @@ class SessionRequest:
                 "temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                 "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
                 "mode": self.mode, "policy": self.policy, "steering": self.steering,
-                "verification": self.verification, "tree": self.tree, "block_kind": self.block_kind}
+                "verification": self.verification, "tree": self.tree, "block_kind": self.block_kind,
+                "stop": list(self.stop)}
 
     @classmethod
     def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
@@ -206,7 +208,7 @@ class SessionRequest:
                    seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
                    policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id,
                    verification=str(p.get("verification", "exact")), tree=str(p.get("tree", "")),
-                   block_kind=str(p.get("block_kind", "")))
+                   block_kind=str(p.get("block_kind", "")), stop=tuple(str(x) for x in p.get("stop", ()) or ()))
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         s = self.sampling

@@ -182,8 +182,9 @@ class CoordinatorServer(_ServerActor):
                  host: str = "127.0.0.1", port: int = 0, redis_url: Optional[str] = None,
                  trace_file: Optional[str] = None, metrics_port: Optional[int] = None,
                  heartbeat_ttl_s: float = 5.0, policy: str = "", allow_lossy: bool = False,
-                 max_sessions_per_identity: int = 0) -> None:
+                 max_sessions_per_identity: int = 0, http_port: Optional[int] = None) -> None:
         self.verifiers, self.drafters = list(verifiers), list(drafters)
+        self.http_port = http_port  # the OpenAI-compatible HTTP API beside gRPC (None: not served)
         self.max_sessions_per_identity = max_sessions_per_identity  # 0: no per-identity limit
         self.policy = policy
         self.allow_lossy = allow_lossy  # serve lossy verification (sprinter) requests
@@ -216,7 +217,7 @@ class CoordinatorServer(_ServerActor):
                                   defaults={"policy": self.policy} if self.policy else None,
                                   allow_lossy=self.allow_lossy,
                                   max_sessions_per_identity=self.max_sessions_per_identity)
-        self.running = await coordinator_server.serve(coordinator, host=host, port=self.port)
+        self.running = await coordinator_server.serve(coordinator, host=host, port=self.port, http_port=self.http_port)
         self.coordinator = coordinator
         return self.running.target
 
@@ -229,6 +230,11 @@ class CoordinatorServer(_ServerActor):
 
     def metrics_target(self) -> str:
         return self.metrics_address
+
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (http(s)://host:port), "" when not served."""
+        http = self.coordinator.http if self.coordinator is not None else None
+        return http.url if http is not None else ""
 
     async def stop(self, grace: float = 1.0) -> bool:
         if self.metrics_server is not None:
@@ -299,6 +305,7 @@ class Deployment:
     drafter_targets: List[str] = field(default_factory=list)
     coordinators: List[object] = field(default_factory=list)
     coordinator_targets: List[str] = field(default_factory=list)
+    coordinator_http: List[str] = field(default_factory=list)  # their HTTP APIs' base URLs ("" where not served)
 
     @property
     def coordinator_target(self) -> str:
@@ -361,6 +368,7 @@ def deploy(
     redis_url: Optional[str] = None,
     trace_file: Optional[str] = None,
     metrics_port: Optional[int] = None,
+    http_port: Optional[int] = None,
     coordinator_port: int = 0,
     verifier_port: int = 0,
     verifier_gpus: float = 0,
@@ -410,6 +418,7 @@ def deploy(
         for i, (d_targets, node) in enumerate(pairs):
             port = coordinator_port + i if coordinator_port else 0
             m_port = metrics_port + i if metrics_port else metrics_port
+            h_port = http_port + i if http_port else http_port
             c_actor = actor_class("CoordinatorActor").options(
                 **placement_options("coordinator", node_id=node, name=name(f"steerspec-coordinator-{i}"),
                                     detached=detached)
@@ -417,10 +426,13 @@ def deploy(
                      tokenizer=tokenizer or verifier, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
                      bandwidth_mbps=bandwidth_mbps, link_seed=link_seed, host=host, port=port,
                      redis_url=redis_url, trace_file=trace_file, metrics_port=m_port, policy=policy,
-                     allow_lossy=allow_lossy, max_sessions_per_identity=max_sessions_per_identity)
+                     allow_lossy=allow_lossy, max_sessions_per_identity=max_sessions_per_identity,
+                     http_port=h_port)
             deployment.coordinators.append(c_actor)
         deployment.coordinator_targets = ray.get([c.start.remote() for c in deployment.coordinators],
                                                  timeout=timeout)
+        deployment.coordinator_http = ray.get([c.http_url.remote() for c in deployment.coordinators],
+                                              timeout=timeout)
     except BaseException:
         deployment.shutdown()
         raise
@@ -447,6 +459,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--coordinator-port", type=int, default=0)
     parser.add_argument("--verifier-port", type=int, default=0)
     parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="each coordinator also serves the OpenAI-compatible HTTP API on HTTP_PORT + i")
     parser.add_argument("--trace-file", default=None)
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--device", default="cpu")
@@ -486,15 +500,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     deployment = deploy_local(
         address=args.address, verifier=args.verifier, drafter=args.drafter, drafters=args.drafters,
         host=args.host, coordinator_port=args.coordinator_port, verifier_port=args.verifier_port,
-        metrics_port=args.metrics_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
+        metrics_port=args.metrics_port, http_port=args.http_port, trace_file=args.trace_file, redis_url=args.redis_url, device=args.device,
         dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
         jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
         device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy,
         allow_lossy=args.allow_lossy, drafter_options={"sprinter_head": head} if head else None,
         max_sessions_per_identity=args.max_sessions_per_identity)
     print(f"verifier    {deployment.verifier_target}", flush=True)
-    for d, c in zip(deployment.drafter_targets, deployment.coordinator_targets):
-        print(f"drafter     {d}\ncoordinator {c}", flush=True)
+    for d, c, h in zip(deployment.drafter_targets, deployment.coordinator_targets, deployment.coordinator_http):
+        print(f"drafter     {d}\ncoordinator {c}" + (f"\nopenai      {h}/v1" if h else ""), flush=True)
     if args.detached:
         return 0
     try:

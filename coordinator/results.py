@@ -129,7 +129,9 @@ class DistributedResult(GenerationResult):
             wall_s=self.wall_s, finish_reason=self.stop_reason, resumes=self.resumes, trace_id=self.trace_id,
             lossy=self.lossy, verification=self.verification,
             draft_compute_ms=_mean([x.draft_compute_ms for x in self.blocks]),
-            batch_size=_mean([x.batch_size for x in self.blocks]), sprinter=sprinter)
+            batch_size=_mean([x.batch_size for x in self.blocks]), sprinter=sprinter,
+            block_drafted=[x.drafted for x in self.blocks], block_accepted=[x.accepted for x in self.blocks],
+            prompt_tokens=self.prompt_tokens)
 
 
 def end_block_span(span, stats: BlockStats) -> None:

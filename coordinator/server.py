@@ -26,11 +26,14 @@ from coordinator.loop import LoopConfig, SessionLoop, SessionRequest
 from coordinator.model_check import CoordinatorModel, follow, stats_identity
 from coordinator.placement import Placer, registered_identity
 from coordinator.quotas import SessionQuota
+from coordinator.request_clock import RequestClock
 from coordinator.results import Chunk, DistributedResult
+from coordinator.stops import StopText, check_stops
 from coordinator.streams import Channels, SessionError
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
-from steerspec.observability import service_metrics
+from steerspec.observability import genai, service_metrics
+from steerspec.observability.tracing import GENERATION_SPAN
 from steerspec.serving import security
 from steerspec.serving.grpc_common import start_server
 from steerspec.serving.identity import ModelIdentity, tokenizer_fingerprint
@@ -107,6 +110,7 @@ class Coordinator:
                                  store=self.store, link=link.validate(), eos_ids=tuple(eos_ids), max_length=max_length,
                                  metrics=metrics, tracer=tracer, model=model)
         self._heartbeats: List[asyncio.Task] = []
+        self.http = None  # the OpenAI-compatible HTTP API when served (coordinator.http_api.http_server.RunningHTTP)
 
     def adopt(self, model: CoordinatorModel) -> None:
         """Tokenise, stop and cap the context with `model` from now on (the verifier's, resolved here)."""
@@ -191,6 +195,13 @@ class Coordinator:
         elif prompt_ids is None:
             prompt_ids = list(request.prompt_ids)
         check_verification(request.verification, self.allow_lossy)
+        try:
+            stop = check_stops(request.stop)
+        except ValueError as exc:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if stop and self.tokenizer is None:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "stop sequences need the coordinator's tokenizer: start it with --tokenizer, or send none")
         d = self.defaults
         s = request.sampling if request.HasField("sampling") else None
         sampling = SamplingParams(temperature=float(s.temperature) if s else 0.0, top_k=int(s.top_k) if s else 0,
@@ -201,7 +212,7 @@ class Coordinator:
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
             mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "")), steering=bool(request.steering),
             session_id=request.session_id, verification=request.verification or "exact", tree=request.tree,
-            block_kind=request.block_kind).validate()
+            block_kind=request.block_kind, stop=stop).validate()
 
     async def generate(self, request: SessionRequest, deadline: Optional[float] = None):
         """Async iterator of GenerateResponse for one session (resumes a checkpointed session_id)."""
@@ -219,30 +230,98 @@ class Coordinator:
             await store.create_session(request.session_id, request.params(), {})
             if request.lossy and self.config.metrics is not None:
                 self.config.metrics.observe_lossy_session(request.block_mode.verification.mode)
-        text = TextStream(self.tokenizer)
+        text = StopText(TextStream(self.tokenizer), request.stop)
         if generated:
+            kept, replayed, _ = text.push(generated)
             yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(
-                seq=0, token_ids=generated, text=text.push(generated), accepted=0, drafted=0))
+                seq=0, token_ids=kept, text=replayed, accepted=0, drafted=0))
         if record is not None and record.status == "done":
             result = DistributedResult(token_ids=generated, session_id=request.session_id,
-                                       stop_reason=record.finish_reason or "length", verification=request.verification)
-            yield coordinator_pb2.GenerateResponse(summary=result.to_summary(text.text))
+                                       stop_reason=record.finish_reason or "length", verification=request.verification,
+                                       prompt_tokens=len(request.prompt_ids))
+            yield coordinator_pb2.GenerateResponse(summary=result.to_summary(_final_text(text)))
             return
         loop = SessionLoop(request, self.config, deadline=deadline, generated=generated,
                            resumes=1 if generated else 0)
         try:
             async with contextlib.aclosing(loop.run()) as chunks:
                 async for chunk in chunks:
-                    yield coordinator_pb2.GenerateResponse(chunk=_chunk_proto(chunk, text.push(chunk.token_ids)))
+                    kept, delta, matched = text.push(chunk.token_ids)
+                    chunk.token_ids = kept
+                    yield coordinator_pb2.GenerateResponse(chunk=_chunk_proto(chunk, delta))
+                    if matched:  # closing the loop ends the session on both services
+                        break
         except SessionError as exc:
             await self._finish(request.session_id, "failed", exc.code.name)
             raise
         result = loop.result
+        tail = "" if text.matched else text.flush()
+        if tail:  # text held back (a possible stop's beginning, an unfinished character): the generation ended
+            yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(seq=result.rounds, text=tail))
+        if text.matched:
+            result.stop_reason = "stop"
+            del result.token_ids[len(text.stream.ids):]  # the block's tokens after the match are not the output
         await self._finish(request.session_id, "done", result.stop_reason)
         if self.config.metrics is not None:
             self.config.metrics.observe_generation(result.stop_reason)
-        result.text = text.text
+        result.text = _final_text(text)
         yield coordinator_pb2.GenerateResponse(summary=result.to_summary(result.text))
+
+    async def serve_session(self, session: SessionRequest, identity: str, deadline: Optional[float] = None,
+                            operation: str = "text_completion"):
+        """One caller's generation, as both APIs serve it: its span (GenAI conventions), the session's claim and
+        the caller's quota around `generate`; SessionError for every refusal or failure (a claim's, the store's).
+        `operation`: the GenAI operation name ("text_completion" | "chat")."""
+        tracer = self.config.tracer
+        span_cm = contextlib.nullcontext()
+        if tracer is not None:
+            span_cm = tracer.start_as_current_span(GENERATION_SPAN, attributes={
+                "steerspec.session_id": session.session_id, "steerspec.mode": session.mode,
+                "steerspec.k": session.k, "steerspec.max_new_tokens": session.max_new_tokens,
+                "steerspec.verification": session.verification, "steerspec.lossy": session.lossy,
+                **genai.request_attributes(operation, self.model_name, session)})
+        with span_cm:
+            span = otel_trace.get_current_span()  # ours, or the gRPC server span
+            span_context = span.get_span_context()
+            trace_id = f"{span_context.trace_id:032x}" if span_context.is_valid else ""
+            claim = self.ownership.claim(session.session_id, identity) if session.session_id \
+                else contextlib.nullcontext()
+            clock = RequestClock(operation, self.model_name)
+            try:
+                with self.quota.hold(identity):
+                    async with claim, contextlib.aclosing(self.generate(session, deadline)) as responses:
+                        async for response in responses:
+                            clock.tokens(len(response.chunk.token_ids) if response.HasField("chunk") else 0)
+                            if response.HasField("summary"):
+                                response.summary.trace_id = trace_id
+                                _count_resumes(response.summary.resumes)
+                                if tracer is not None:
+                                    span.set_attributes(genai.response_attributes(response.summary, self.model_name))
+                            yield response
+            except ClaimError as exc:
+                clock.error = exc.code.name
+                raise SessionError(exc.code, exc.message) from None
+            except RedisError as exc:
+                log.warning("session %s: the store failed: %s", session.session_id, exc)
+                clock.error = grpc.StatusCode.UNAVAILABLE.name
+                raise SessionError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the session store (Redis) failed: {(str(exc).splitlines() or [''])[0]}; "
+                                   "retry once it is back (the SDK retries UNAVAILABLE)") from None
+            except SessionError as exc:
+                clock.error = exc.code.name
+                raise
+            except BaseException:  # cancelled: the caller went away
+                clock.error = clock.error or grpc.StatusCode.CANCELLED.name
+                raise
+            finally:
+                if self.config.metrics is not None:
+                    clock.observe(self.config.metrics)
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (the verifier's, as its identity names it; "" until known)."""
+        model = self.config.model
+        return model.name if model is not None else ""
 
     async def _finish(self, session_id: str, status: str, reason: str) -> None:
         """Record the session's end; a session that went on without checkpoints is logged and counted."""
@@ -273,6 +352,11 @@ def check_verification(spec: str, allow_lossy: bool) -> None:
                            "coordinator --allow-lossy` to accept lossy requests, or send verification 'exact'")
 
 
+def _final_text(text: StopText) -> str:
+    """A generation's whole text: up to its stop sequence, else all its tokens decoded."""
+    return text.text if text.matched else text.stream.text
+
+
 def _chunk_proto(chunk: Chunk, text: str) -> coordinator_pb2.TokenChunk:
     return coordinator_pb2.TokenChunk(seq=chunk.seq, token_ids=chunk.token_ids, text=text,
                                       accepted=chunk.accepted, drafted=chunk.drafted)
@@ -299,43 +383,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await context.abort(exc.code, exc.message)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        trace_id = ""
-        tracer = self.coordinator.config.tracer
-        span_cm = contextlib.nullcontext()
-        if tracer is not None:
-            span_cm = tracer.start_as_current_span("steerspec.generate", attributes={
-                "steerspec.session_id": session.session_id, "steerspec.mode": session.mode,
-                "steerspec.k": session.k, "steerspec.max_new_tokens": session.max_new_tokens,
-                "steerspec.verification": session.verification, "steerspec.lossy": session.lossy})
-        with span_cm:
-            span_context = otel_trace.get_current_span().get_span_context()  # ours, or the gRPC server span
-            if span_context.is_valid:
-                trace_id = f"{span_context.trace_id:032x}"
-            identity = security.identity_of(context)
-            claim = (self.coordinator.ownership.claim(session.session_id, identity)
-                     if session.session_id else contextlib.nullcontext())
-            try:
-                with self.coordinator.quota.hold(identity):
-                    async with claim, contextlib.aclosing(self.coordinator.generate(session, deadline)) as responses:
-                        async for response in responses:
-                            if response.HasField("summary"):
-                                response.summary.trace_id = trace_id
-                                _count_resumes(response.summary.resumes)
-                            yield response
-            except (SessionError, ClaimError) as exc:
-                await context.abort(exc.code, exc.message)
-            except RedisError as exc:
-                log.warning("session %s: the store failed: %s", session.session_id, exc)
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"the session store (Redis) failed: {(str(exc).splitlines() or [''])[0]}; "
-                                    "retry once it is back (the SDK retries UNAVAILABLE)")
+        try:
+            async with contextlib.aclosing(self.coordinator.serve_session(
+                    session, security.identity_of(context), deadline)) as responses:
+                async for response in responses:
+                    yield response
+        except SessionError as exc:
+            await context.abort(exc.code, exc.message)
 
 
-async def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0):
-    """Start the coordinator's gRPC server (health + reflection); returns the RunningServer."""
+async def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, http_port: Optional[int] = None,
+                http_host: Optional[str] = None):
+    """Start the coordinator's gRPC server (health + reflection), and with `http_port` its OpenAI-compatible HTTP
+    API beside it (`coordinator.http`, stopped first on shutdown); returns the gRPC RunningServer."""
     await coordinator.start()
     running = await start_server(
         [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, CoordinatorService(coordinator))],
         [SERVICE_NAME], host=host, port=port)
     running.on_stop.append(coordinator.stop)
+    if http_port is not None:
+        # lazy: FastAPI and uvicorn load only where the HTTP API is served
+        from coordinator.http_api.http_server import start_http
+
+        try:
+            coordinator.http = await start_http(coordinator, host=http_host or host, port=http_port)
+        except BaseException:
+            await running.stop(grace=0)
+            raise
+        running.on_drain.append(coordinator.http.stop)
     return running

@@ -88,6 +88,7 @@ async def _main(args) -> int:
                                     max_message_bytes=int(args.max_message_mb * 2**20))
     if metrics is not None:
         metrics.watch_table(servicer.table, servicer.table.cache_bytes)
+        metrics.watch_batcher(servicer.batcher)
     await registration.announce(running, "drafter", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s, identity=servicer.identity)
     steer = "with SD² steering" if hooks is not None else "without steering"

@@ -99,6 +99,8 @@ async def _main(args) -> int:
                                     max_message_bytes=int(args.max_message_mb * 2**20))
     if metrics is not None:
         metrics.watch_table(servicer.table, servicer.table.reserved_bytes)
+        metrics.watch_batcher(servicer.batcher)
+        servicer.on_verified = metrics.count_spec_decode().observe
     servicer.config.replica = args.advertise or f"{socket.gethostname()}:{running.port}"  # --advertise needs Redis
     await registration.announce(running, "verifier", load=lambda: len(servicer.table), redis_url=args.redis_url,
                                 advertise=args.advertise, ttl_s=args.heartbeat_ttl_s, identity=servicer.identity)

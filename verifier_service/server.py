@@ -84,6 +84,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         self.device = model.device
         self._tracing = tracing
         self._tracer = tracing.get_tracer(__name__)
+        self.on_verified = None  # (draft tokens, accepted) of each verified block: the speculative-decoding counters
 
     async def start(self) -> None:
         prepare_weight_copies(self.model)  # before serving, on the loop's thread (steerspec/serving/compute.py)
@@ -232,6 +233,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
         if result.steering is not None:
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))
         session.kind.encode_result(result, out)
+        if self.on_verified is not None:
+            self.on_verified(block.k, result.accepted)
         if self._tracer is not None and self._tracing is not None:
             self._record_spans(start_ns, result, block, msg.ByteSize(), msg.traceparent)
         return verifier_pb2.VerifyResponse(result=out)

@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|capacity|sd2|hop|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a
+"""`steerspec bench engine|remote|capacity|sd2|hop|http|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a
 table and write JSON."""
 
 from steerspec.cli.dispatch import register_group
@@ -10,6 +10,8 @@ COMMANDS = (
      "many sessions sharing one verifier: goodput, latency and SLO per mode against the verifier alone"),
     ("sd2", "steerspec.bench.drafters", "pretrained vs distilled vs SD² drafters (SD² paper Table 1 layout)"),
     ("hop", "steerspec.bench.hop", "one gRPC hop after idle under grpc's two TCP transports"),
+    ("http", "steerspec.bench.http_api",
+     "the OpenAI-compatible HTTP API beside the gRPC SDK at the same load: TPOT and throughput, interleaved"),
     ("sprinter", "steerspec.bench.lossy", "SPRINTER (lossy) vs exact: calls saved, speed at RTTs, η's, bounds, quality"),
     ("overlap", "steerspec.bench.overlap", "teacher-forced draft acceptance Σ min(p, q) per drafter and q truncation"),
     ("policies", "steerspec.bench.policies", "draft-length policies (GammaTune Table 2, Pacer Tables 1/6 layouts) at RTTs"),

@@ -7,8 +7,10 @@
 
 Names: ``steerspec_calls_active{service,method}`` (calls in flight: on the coordinator, live
 generations), ``steerspec_calls_total{service,method,code}`` (every call by its final status, so
-refusals and failures show by code), ``steerspec_call_ms{service,method}`` (call duration), and
-gauges a service adds (sessions, cache bytes). The coordinator adds ``steerspec_resumes_total``.
+refusals and failures show by code), ``steerspec_call_duration_seconds{service,method}``, and
+gauges a service adds (sessions, cache bytes). The coordinator adds ``steerspec_resumes_total``; the verifier
+and drafter their batcher's passes (`watch_batcher`: rows and blocks per pass, queue depth, busy seconds), the
+verifier its speculative-decoding counters (`spec_decode`, prometheus.SpecDecodeCounters).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from typing import Callable, Optional
 import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from steerspec.observability.prometheus import MS_BUCKETS, start_metrics_server
+from steerspec.observability.prometheus import SECONDS_BUCKETS, SpecDecodeCounters, start_metrics_server
+
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 _INSTALLED: Optional["CallMetrics"] = None
 
@@ -35,8 +41,9 @@ class CallMetrics:
         self.active = Gauge("steerspec_calls_active", "gRPC calls in flight", labels, registry=self.registry)
         self.calls = Counter("steerspec_calls", "gRPC calls by final status code", labels + ("code",),
                              registry=self.registry)
-        self.duration = Histogram("steerspec_call_ms", "gRPC call duration (ms)", labels, buckets=MS_BUCKETS,
-                                  registry=self.registry)
+        self.duration = Histogram("steerspec_call_duration_seconds", "gRPC call duration", labels,
+                                  buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.spec_decode: Optional[SpecDecodeCounters] = None  # the verifier's (`count_spec_decode`)
         self.resumes = Counter("steerspec_resumes", "Sessions resumed from a checkpoint or failed over",
                                ("service",), registry=self.registry)
 
@@ -51,12 +58,55 @@ class CallMetrics:
         self.gauge("steerspec_sessions_active", "Sessions open on this replica", lambda: len(table))
         self.gauge("steerspec_cache_bytes", "KV-cache bytes held by this replica's sessions", cache_bytes)
 
+    def count_spec_decode(self) -> SpecDecodeCounters:
+        """The speculative-decoding counters of this service (the verifier counts the blocks it verifies)."""
+        if self.spec_decode is None:
+            self.spec_decode = SpecDecodeCounters(self.registry, self.service)
+        return self.spec_decode
+
+    def watch_batcher(self, batcher) -> None:
+        """A WindowBatcher's passes (steerspec/serving/batching.py): rows and blocks per pass as histograms, its
+        queue depth, and its busy seconds (busy fraction = rate)."""
+        service = self.service
+        rows = Histogram("steerspec_batch_rows", "Rows scored per compute pass (verifier: a block of k drafts is "
+                         "k + 1 rows; drafter: blocks)", ("service",), buckets=ROW_BUCKETS, registry=self.registry)
+        blocks = Histogram("steerspec_batch_size", "Blocks (sessions) served per compute pass", ("service",),
+                           buckets=BATCH_BUCKETS, registry=self.registry)
+        self.gauge("steerspec_queue_depth", "Blocks waiting for a compute pass", lambda: batcher.queue_depth)
+        self.registry.register(BatcherCollector(service, batcher))
+
+        def on_pass(n_blocks: int, n_rows: int) -> None:
+            rows.labels(service).observe(n_rows)
+            blocks.labels(service).observe(n_blocks)
+
+        batcher.on_pass = on_pass
+
     def record(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self.calls.labels(self.service, method, code.name).inc()
-        self.duration.labels(self.service, method).observe((time.perf_counter() - started) * 1e3)
+        self.duration.labels(self.service, method).observe(time.perf_counter() - started)
 
     def interceptor(self) -> "CallMetricsInterceptor":
         return CallMetricsInterceptor(self)
+
+
+class BatcherCollector:
+    """A batcher's running totals as counters, read at scrape time: passes, rows, blocks, busy seconds."""
+
+    def __init__(self, service: str, batcher) -> None:
+        self.service, self.batcher = service, batcher
+
+    def collect(self):
+        b = self.batcher
+        for name, help_text, value in (
+                ("steerspec_passes", "Compute passes (verifier: batched verify forwards; drafter: draft calls)",
+                 b.batches),
+                ("steerspec_pass_rows", "Rows the compute passes scored", b.rows),
+                ("steerspec_pass_blocks", "Blocks the compute passes served", b.batched_blocks),
+                ("steerspec_busy_seconds", "Seconds spent computing, prefills included (rate: busy fraction)",
+                 b.busy_s)):
+            family = CounterMetricFamily(name, help_text, labels=["service"])
+            family.add_metric([self.service], float(value))
+            yield family
 
 
 def _code_of(context, exc: Optional[BaseException]) -> grpc.StatusCode:

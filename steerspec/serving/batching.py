@@ -55,6 +55,7 @@ class WindowBatcher(Generic[J, R]):
         self.max_batch_seen = 0
         self.rows = 0  # rows the compute calls scored (rows / batches = mean rows per pass)
         self.busy_s = 0.0  # seconds spent in compute calls and run_compute
+        self.on_pass: Optional[Callable[[int, int], None]] = None  # (blocks, rows) of each pass: metrics
 
     def start(self) -> None:
         """Start the collecting task (done on the first queued job otherwise)."""
@@ -66,7 +67,15 @@ class WindowBatcher(Generic[J, R]):
         self.batches += 1
         self.batched_blocks += len(jobs)
         self.max_batch_seen = max(self.max_batch_seen, len(jobs))
-        self.rows += sum(self.rows_of(job) for job in jobs)
+        rows = sum(self.rows_of(job) for job in jobs)
+        self.rows += rows
+        if self.on_pass is not None:
+            self.on_pass(len(jobs), rows)
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for a compute pass."""
+        return len(self._pending)
 
     @property
     def queue_depth(self) -> int:

@@ -56,6 +56,8 @@ async def test_link_delay_is_accurate():
     (["--rtt-ms", "-5"], "--rtt-ms"),
     (["--rtt-ms", "10", "--jitter-ms", "20"], "--jitter-ms"),
     (["--bandwidth-mbps", "nan"], "--bandwidth-mbps"),
+    (["--http-port", "70000"], "--http-port"),
+    (["--http-port", "0", "--http-host", "0.0.0.0"], "refusing to serve plaintext on 0.0.0.0"),
 ])
 def test_serve_coordinator_rejects_bad_flags(argv, needle, capsys):
     from steerspec.cli import main
@@ -369,5 +371,11 @@ async def test_block_spans_and_metrics(tiny_pair):
     for key in ("rtt_ms", "draft_ms", "network_ms", "queue_ms", "verify_ms", "overhead_ms", "bytes_up", "accepted"):
         assert all(f"steerspec.{key}" in b.attributes for b in blocks)
     text = metrics.exposition().decode()
-    assert f'steerspec_round_trip_ms_count{{service="coordinator"}} {float(summary.rounds)}' in text
-    assert f'steerspec_draft_tokens_total{{service="coordinator"}} {float(summary.drafted)}' in text
+    assert f'steerspec_round_trip_seconds_count{{service="coordinator"}} {float(summary.rounds)}' in text
+    assert f'steerspec_spec_decode_num_draft_tokens_total{{service="coordinator"}} {float(summary.drafted)}' in text
+    assert 'gen_ai_server_time_to_first_token_seconds_count{gen_ai_operation_name="text_completion"' in text
+    root_attributes = dict(root[0].attributes)  # the GenAI semantic conventions on the generation span
+    assert root_attributes["gen_ai.operation.name"] == "text_completion"
+    assert root_attributes["gen_ai.usage.output_tokens"] == 10 == root_attributes["gen_ai.request.max_tokens"]
+    assert root_attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert root_attributes["gen_ai.response.finish_reasons"] == ("length",)

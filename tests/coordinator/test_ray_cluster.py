@@ -64,7 +64,7 @@ def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_pat
     trace_file = tmp_path / "trace.jsonl"  # every actor appends its spans here
     redis_url = _redis_or_none(request)
     deployment = deploy(verifier=str(verifier_dir), drafter=str(drafter_dir), drafters=1, num_threads=1,
-                        trace_file=str(trace_file), redis_url=redis_url, timeout=180)
+                        trace_file=str(trace_file), redis_url=redis_url, http_port=0, timeout=180)
     try:
         if redis_url:  # the model actors registered themselves, with their load
             registry = _registry(redis_url)
@@ -91,6 +91,15 @@ def test_actors_land_on_their_nodes_and_generate(ray_cluster, tiny_pair, tmp_pat
         assert summary.token_ids == expected.token_ids
         assert summary.finish_reason == expected.stop_reason
         _check_cross_process_trace(trace_file, summary, pids)
+        # The coordinator actor's OpenAI-compatible HTTP API: the same greedy output
+        import openai
+        from transformers import AutoTokenizer
+
+        http = openai.OpenAI(base_url=deployment.coordinator_http[0] + "/v1", api_key="x", max_retries=1)
+        out = http.completions.create(model=http.models.list().data[0].id, prompt=prompt, max_tokens=12,
+                                      temperature=0, extra_body={"k": 4})
+        tokenizer = AutoTokenizer.from_pretrained(str(verifier_dir))
+        assert out.choices[0].text == tokenizer.decode(expected.token_ids, skip_special_tokens=True)
         # Adaptive draft-length policies (stopping inside a block, carrying state) on the drafter actor:
         # still the verifier's greedy output.
         with Client(deployment.coordinator_target, retries=1) as client:

@@ -59,16 +59,35 @@ def test_observability_yaml_parses(name):
 
 
 def test_dashboard_queries_exported_metrics():
-    from steerspec.observability.prometheus import SteerSpecMetrics
+    """Every metric a panel queries is one a service exports (tests/deploy/test_dashboard_prometheus.py evaluates
+    the panels on a real Prometheus)."""
+    from prometheus_client import generate_latest
+
     from steerspec.decoding.rounds import BlockStats
+    from steerspec.observability.prometheus import SteerSpecMetrics
+    from steerspec.observability.service_metrics import CallMetrics
+    from steerspec.serving.batching import WindowBatcher
 
     metrics = SteerSpecMetrics()
     metrics.observe_block(BlockStats(seq=1, drafted=4, accepted=2, committed=3, cycle_ms=3.0, bytes_up=100, bytes_down=20))
     metrics.observe_generation()
-    exported = set(re.findall(r"^(steerspec_\w+?)(?:\{| )", metrics.exposition().decode(), re.M))
+    metrics.observe_request("text_completion", "m", 0.1, 0.01, 0.5)
+    calls = CallMetrics("coordinator", metrics.registry)
+    calls.calls.labels("coordinator", "Generate", "OK").inc()
+    replica = CallMetrics("verifier")
+    replica.watch_table([], lambda: 0)
+    batcher = WindowBatcher(lambda jobs: jobs, 0.0, lambda: 1, inline=True)
+    replica.watch_batcher(batcher)
+    batcher.on_pass(2, 9)  # one pass of two blocks, nine rows
+    replica.count_spec_decode().observe(4, 2)
+    text = generate_latest(metrics.registry).decode() + generate_latest(replica.registry).decode()
+    exported = set(re.findall(r"^((?:steerspec|gen_ai)_\w+?)(?:\{| )", text, re.M))
     dashboard = json.loads((DEPLOY / "observability" / "grafana-dashboard.json").read_text())
     queried = {m for panel in dashboard["panels"] for t in panel["targets"]
-               for m in re.findall(r"\b(steerspec_\w+)", t["expr"])}
+               for m in re.findall(r"\b((?:steerspec|gen_ai)_\w+)", t["expr"])}
     assert queried and queried <= exported, queried - exported
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    assert "stage breakdown" in titles
+    for title in ("acceptance rate", "mean acceptance length", "accepted tokens/s", "acceptance by draft position",
+                  "inter-token latency", "round trip", "stage breakdown", "bytes per block", "verifier batch",
+                  "sessions per replica"):
+        assert title in titles, title

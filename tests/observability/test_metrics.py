@@ -26,19 +26,21 @@ def test_counters_and_histograms_per_block():
     metrics.observe_generation("length")
     s = _samples(metrics.exposition().decode())
     svc = ("service", "coordinator")
-    assert s[("steerspec_drafts_total", (svc,))] == 2
-    assert s[("steerspec_draft_tokens_total", (svc,))] == 16
-    assert s[("steerspec_accepted_tokens_total", (("position", "1"), svc))] == 2
-    assert s[("steerspec_accepted_tokens_total", (("position", "4"), svc))] == 1
-    assert s[("steerspec_accepted_tokens_total", (("position", "8"), svc))] == 1
-    assert ("steerspec_accepted_tokens_total", (("position", "9"), svc)) not in s
+    assert s[("steerspec_spec_decode_num_drafts_total", (svc,))] == 2
+    assert s[("steerspec_spec_decode_num_draft_tokens_total", (svc,))] == 16
+    assert s[("steerspec_spec_decode_num_accepted_tokens_total", (svc,))] == 3 + 8
+    pos = "steerspec_spec_decode_num_accepted_tokens_per_pos_total"  # 0-based positions, as vLLM's
+    assert s[(pos, (("position", "0"), svc))] == 2
+    assert s[(pos, (("position", "3"), svc))] == 1
+    assert s[(pos, (("position", "7"), svc))] == 1
+    assert (pos, (("position", "8"), svc)) not in s
     assert s[("steerspec_generated_tokens_total", (svc,))] == 4 + 9
-    assert s[("steerspec_round_trip_ms_count", (svc,))] == 2
-    assert s[("steerspec_round_trip_ms_sum", (svc,))] == 40.0
+    assert s[("steerspec_round_trip_seconds_count", (svc,))] == 2
+    assert abs(s[("steerspec_round_trip_seconds_sum", (svc,))] - 0.040) < 1e-12
     for stage, value in (("draft", 5.0), ("network", 10.0), ("queue", 1.0), ("verify", 3.5), ("overhead", 0.5)):
-        assert abs(s[("steerspec_stage_ms_sum", (svc, ("stage", stage)))] - 2 * value) < 1e-9, stage
-    assert s[("steerspec_bytes_up_sum", (svc,))] == 2 * 812
-    assert s[("steerspec_bytes_down_count", (svc,))] == 2
+        assert abs(s[("steerspec_stage_seconds_sum", (svc, ("stage", stage)))] - 2 * value / 1e3) < 1e-12, stage
+    assert s[("steerspec_block_bytes_sum", (("direction", "up"), svc))] == 2 * 812
+    assert s[("steerspec_block_bytes_count", (("direction", "down"), svc))] == 2
     assert s[("steerspec_generations_total", (("finish_reason", "length"), svc))] == 1
 
 
@@ -47,8 +49,8 @@ def test_registries_are_independent():
     a.observe_block(BlockStats(seq=1, drafted=4, accepted=1, committed=2))
     assert a.registry is not b.registry
     sa, sb = _samples(a.exposition().decode()), _samples(b.exposition().decode())
-    assert sa[("steerspec_drafts_total", (("service", "coordinator"),))] == 1
-    assert ("steerspec_drafts_total", (("service", "coordinator"),)) not in sb
+    assert sa[("steerspec_spec_decode_num_drafts_total", (("service", "coordinator"),))] == 1
+    assert ("steerspec_spec_decode_num_drafts_total", (("service", "coordinator"),)) not in sb
 
 
 def test_truncated_block_counts_committed_tokens():
@@ -56,14 +58,15 @@ def test_truncated_block_counts_committed_tokens():
     metrics.observe_block(BlockStats(seq=1, drafted=8, accepted=8, committed=3))
     s = _samples(metrics.exposition().decode())
     assert s[("steerspec_generated_tokens_total", (("service", "coordinator"),))] == 3
-    assert s[("steerspec_accepted_tokens_total", (("position", "8"), ("service", "coordinator")))] == 1
+    assert s[("steerspec_spec_decode_num_accepted_tokens_per_pos_total",
+              (("position", "7"), ("service", "coordinator")))] == 1
 
 
 def test_autoregressive_block_counts_no_draft():
     metrics = SteerSpecMetrics()
     metrics.observe_block(BlockStats(seq=1, drafted=0, accepted=0, committed=1, cycle_ms=2.0, verify_ms=1.5))
     s = _samples(metrics.exposition().decode())
-    assert ("steerspec_drafts_total", (("service", "coordinator"),)) not in s
+    assert ("steerspec_spec_decode_num_drafts_total", (("service", "coordinator"),)) not in s
     assert s[("steerspec_generated_tokens_total", (("service", "coordinator"),))] == 1
 
 
@@ -77,6 +80,20 @@ def test_metrics_server_serves_registry_on_loopback():
     finally:
         server.shutdown()
         server.server_close()
-    assert 'steerspec_drafts_total{service="coordinator"} 1.0' in body
-    assert 'steerspec_accepted_tokens_total{position="2",service="coordinator"} 1.0' in body
-    assert "steerspec_bytes_up_bucket" in body
+    assert 'steerspec_spec_decode_num_drafts_total{service="coordinator"} 1.0' in body
+    assert 'steerspec_spec_decode_num_accepted_tokens_per_pos_total{position="1",service="coordinator"} 1.0' in body
+    assert "steerspec_block_bytes_bucket" in body
+
+
+def test_genai_server_histograms_in_seconds():
+    metrics = SteerSpecMetrics()
+    metrics.observe_request("chat", "m", 0.05, 0.01, 0.5)
+    metrics.observe_request("text_completion", "m", None, None, 0.2, "deadline_exceeded")
+    s = _samples(metrics.exposition().decode())
+    chat = (("gen_ai_operation_name", "chat"), ("gen_ai_request_model", "m"), ("service", "coordinator"))
+    assert s[("gen_ai_server_time_to_first_token_seconds_sum", chat)] == 0.05
+    assert s[("gen_ai_server_time_per_output_token_seconds_count", chat)] == 1
+    failed = (("error_type", "deadline_exceeded"), ("gen_ai_operation_name", "text_completion"),
+              ("gen_ai_request_model", "m"), ("service", "coordinator"))
+    assert s[("gen_ai_server_request_duration_seconds_count", failed)] == 1
+    assert ("gen_ai_server_time_to_first_token_seconds_count", failed[1:]) not in s

@@ -54,7 +54,7 @@ async def test_calls_counted_by_method_and_code(tiny_pair):
     assert calls("Generate", "OK") == 1 and calls("Generate", "INVALID_ARGUMENT") == 1
     assert calls("Verify", "OK") >= 1 and calls("Draft", "OK") >= 1
     assert samples[("steerspec_calls_active", (("method", "Generate"), ("service", "test")))] == 0
-    assert samples[("steerspec_call_ms_count", (("method", "Generate"), ("service", "test")))] == 2
+    assert samples[("steerspec_call_duration_seconds_count", (("method", "Generate"), ("service", "test")))] == 2
 
 
 def test_log_lines_have_timestamp_and_level():
