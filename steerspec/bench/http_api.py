@@ -2,7 +2,7 @@
 throughput through each, the two interleaved over repeats, against one verifier, drafter and coordinator
 (service processes on loopback; the coordinator serves both APIs).
 
-    steerspec bench http --clients 8 --max-tokens 48 --repeats 3 --json docs/results/http-vs-grpc.json
+    steerspec bench http --clients 8 --max-tokens 48 --repeats 3 --json docs/results/data/http/http-vs-grpc.json
 
 Every client streams one greedy completion of the same prompt through either API, so both APIs generate the
 same tokens; TPOT is a client's (last token's arrival - first token's) / (tokens - 1), throughput the round's
