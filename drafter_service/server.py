@@ -262,6 +262,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                verify_ms=verify_ms, queue_ms=queue_ms, network_ms=network_ms,
                                overhead_ms=rounds.overhead_ms(away_ms, 0.0, network_ms, queue_ms, verify_ms),
                                path=tuple(int(node) for node in result.path), batch_size=int(result.batch_size),
+                               draft_compute_ms=float(session.proposal.draft_ms),
                                pass_rows=int(result.pass_rows), blocks_waiting=int(result.blocks_waiting),
                                cost_fixed_ms=float(result.cost_fixed_ms),
                                cost_per_row_ms=float(result.cost_per_row_ms))

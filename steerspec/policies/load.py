@@ -7,9 +7,10 @@ from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
 
     T(n) = d(n) + o + W + P,   P = c(B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
-d(n) the drafter's cost line (`CostLine`, in rows so that blocks of no drafts measure it too), o the EWMA of network
-and overhead ms, c the verifier's pass cost against the rows it scores — measured by the verifier over its own
-recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
+d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, in rows so that blocks of no
+drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
+to the drafter and its queue, overhead), c the verifier's pass cost against the rows it scores — measured by the
+verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -69,7 +70,7 @@ class LoadAware(PolicyBase):
         self.include: List[float] = [self.a0 ** (i + 1) for i in range(self.max_k)]
         self.judged: List[float] = [0.0] * self.max_k
         # both lines in rows (n + 1 for n drafts), so blocks of no drafts measure them too
-        self.draft = CostLine(self.max_k + 1, self.beta, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
+        self.draft = CostLine(self.max_k + 1, LOAD_BETA, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
         self.verify = CostLine(self.max_k + 1, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
         self.overhead_ms = 0.0
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
@@ -146,11 +147,13 @@ class LoadAware(PolicyBase):
                 feedback.verify_ms
             self.cycle_ms = cycle if first else (1 - fast) * self.cycle_ms + fast * cycle
             self.pass_obs_ms = feedback.verify_ms if first else (1 - fast) * self.pass_obs_ms + fast * feedback.verify_ms
-        overhead = feedback.network_ms + feedback.overhead_ms
-        self.overhead_ms = overhead if first else (1 - b) * self.overhead_ms + b * overhead
+        # the drafter's own compute grows with the block; the hop to it and its queue do not: they join the overhead
+        compute = feedback.draft_compute_ms if feedback.draft_compute_ms > 0.0 else feedback.draft_ms
+        overhead = feedback.network_ms + feedback.overhead_ms + max(feedback.draft_ms - compute, 0.0)
+        self.overhead_ms = overhead if first else (1 - fast) * self.overhead_ms + fast * overhead
         self.seen += 1
         drafted = min(int(feedback.drafted), self.max_k)
-        self.draft.add(drafted + 1, feedback.draft_ms)
+        self.draft.add(drafted + 1, compute)
         self.verify.add(drafted + 1, feedback.verify_ms)
         on_path = set(feedback.path) if feedback.path else set(range(int(feedback.accepted)))
         for i in range(drafted):  # every drafted slot was judged: on the accepted path or not

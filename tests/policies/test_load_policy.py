@@ -73,6 +73,28 @@ def test_blocks_of_no_drafts_keep_measuring_the_load():
     assert policy.blocks < 1.5 and policy.sessions < 1.5
 
 
+def test_after_a_crowded_spell_drafting_comes_back_when_the_load_falls():
+    """A crowded verifier and a busy edge (the coordinator's draft wait 150 ms, the drafter's compute 3 ms a draft)
+    settle the size at none; when the load falls the blocks grow again within a few dozen blocks (the hop counts as
+    overhead, not as drafting; the load and the draft line follow fast)."""
+    policy = LoadAware(max=5)
+    settled(policy, 30, accepted=2, drafted=5, path=(0, 3), batch=1)
+    for _ in range(60):
+        n = policy.next_k()
+        policy.update(BlockFeedback(min(n, 1), n, draft_ms=150.0 + 3.0 * n, draft_compute_ms=3.0 * n,
+                                    verify_ms=110.0, queue_ms=110.0, network_ms=50.0, overhead_ms=20.0,
+                                    path=(0,) if n else (), batch_size=16, **PASS))
+    assert policy.next_k() <= 1
+    sizes = []
+    for _ in range(40):
+        n = policy.next_k()
+        sizes.append(n)
+        policy.update(BlockFeedback(2 if n >= 4 else min(n, 1), n, draft_ms=1.0 + 2.5 * n, draft_compute_ms=2.5 * n,
+                                    verify_ms=45.0 + 4.25 * n, network_ms=50.0, overhead_ms=3.0,
+                                    path=(0, 3) if n >= 4 else ((0,) if n else ()), batch_size=1, **PASS))
+    assert max(sizes[-10:]) >= 4, sizes
+
+
 def test_state_round_trips_through_json():
     import json
 
