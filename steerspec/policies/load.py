@@ -78,7 +78,14 @@ class LoadAware(PolicyBase):
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
         self.pass_line = (0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per row (0, 0: none)
         self.seen = 0
+        self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
+
+    def reset(self) -> None:
+        """A new sequence: what describes the pair and the link (acceptance per slot, the drafter's cost) carries
+        over; the load signals are taken afresh from the sequence's first result, since the load may have moved
+        while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
+        self.load_seen = False
 
     # --- model ---
     def expected_tokens(self, n: int) -> float:
@@ -137,7 +144,7 @@ class LoadAware(PolicyBase):
 
     def update(self, feedback: BlockFeedback) -> None:
         b, fast = self.beta, LOAD_BETA  # the load moves faster than the pair and the link
-        first = not self.seen
+        first = not self.load_seen
         if feedback.batch_size:
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
         if feedback.cost_per_row_ms > 0.0 or feedback.cost_fixed_ms > 0.0:
@@ -152,6 +159,7 @@ class LoadAware(PolicyBase):
         overhead = feedback.network_ms + feedback.overhead_ms + max(feedback.draft_ms - compute, 0.0)
         self.overhead_ms = overhead if first else (1 - fast) * self.overhead_ms + fast * overhead
         self.seen += 1
+        self.load_seen = self.load_seen or feedback.verify_ms > 0.0
         drafted = min(int(feedback.drafted), self.max_k)
         self.draft.add(drafted + 1, compute)
         self.verify.add(drafted + 1, feedback.verify_ms)

@@ -95,6 +95,18 @@ def test_after_a_crowded_spell_drafting_comes_back_when_the_load_falls():
     assert max(sizes[-10:]) >= 4, sizes
 
 
+def test_a_new_sequence_takes_the_load_from_its_first_result():
+    """A drafter service warm-starts a session from the last one's state and resets it: the pair's estimates carry
+    over, the load is read afresh from the first result (a crowd that has gone is not followed block by block)."""
+    policy = LoadAware(max=5)
+    settled(policy, 60, accepted=2, drafted=5, path=(0, 3), batch=8, queue_ms=60.0)
+    include = list(policy.include)
+    policy.reset()
+    settled(policy, 1, accepted=2, drafted=5, path=(0, 3), batch=1)
+    assert policy.blocks == 1.0 and policy.sessions == 1.0 and policy.include[:3] == pytest.approx(include[:3], abs=0.1)
+    assert policy.next_k() >= 4
+
+
 def test_state_round_trips_through_json():
     import json
 
