@@ -62,7 +62,7 @@ class ChainKind(BlockKind):
         """Commit, roll back, and tell the session's draft-length policy how the block fared."""
         drafted = len(session.proposal.draft_ids)
         super().feedback(drafter, session, verdict)
-        if drafted and verdict.timing is not None:
+        if verdict.timing is not None and (drafted or getattr(session.policy, "min_k", 1) == 0):  # empty blocks carry the load
             session.policy.update(verdict.timing)
 
     # -- the verifier service ----------------------------------------------------------------------------

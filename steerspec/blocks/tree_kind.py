@@ -137,7 +137,7 @@ class TreeKind(BlockKind):
         session.committed.extend(proposal.draft_ids[node] for node in path)
         session.committed.append(int(verdict.next_token))
         session.lm.keep(n, cached_path(path, proposal.fed, n))
-        if proposal.draft_ids and verdict.timing is not None:
+        if verdict.timing is not None and (proposal.draft_ids or getattr(session.policy, "min_k", 1) == 0):
             session.policy.update(replace(verdict.timing, path=tuple(path)))
 
     # -- the verifier service ----------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def speculative_generate(
         return RoundOut(block, int(outcome.accepted[0]), int(outcome.next_tokens[0]), hidden, t1 - t0, t2 - t1)
 
     def after_round(stats: BlockStats) -> None:
-        if stats.drafted:
+        if stats.drafted or getattr(policy, "min_k", 1) == 0:  # a policy that sends empty blocks learns the load from them
             policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
                                         verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms))
 

@@ -285,7 +285,7 @@ def tree_generate(
     paths: List[tuple] = []  # each block's accepted nodes, for the policy's feedback
 
     def after_round(stats) -> None:
-        if policy is not None and stats.drafted:
+        if policy is not None and (stats.drafted or getattr(policy, "min_k", 1) == 0):
             policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
                                         verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, path=paths[-1]))
 

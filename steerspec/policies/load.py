@@ -86,6 +86,7 @@ class LoadAware(PolicyBase):
         over; the load signals are taken afresh from the sequence's first result, since the load may have moved
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
+        self.pass_line = (0.0, 0.0)  # a verifier reports it again with the first result; in process none does
 
     # --- model ---
     def expected_tokens(self, n: int) -> float:

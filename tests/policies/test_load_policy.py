@@ -107,6 +107,19 @@ def test_a_new_sequence_takes_the_load_from_its_first_result():
     assert policy.next_k() >= 4
 
 
+def test_blocks_of_no_drafts_feed_the_policy_so_a_crowd_that_has_gone_is_forgotten(loaded_pair):
+    """In process, warm from a crowded verifier's state (blocks of no drafts): each round, empty ones too, updates the
+    policy, so it measures its own costs again and drafts."""
+    verifier, drafter, _ = loaded_pair
+    policy = LoadAware(max=5)
+    settled(policy, 60, accepted=0, drafted=5, path=(), batch=16, queue_ms=120.0)
+    assert policy.next_k() == 0
+    config = DecodeConfig(max_new_tokens=40)
+    got = tree_generate(cached_lm(verifier), cached_lm(drafter), [4, 57, 310, 12, 96], config, "default",
+                        policy=policy)
+    assert got.drafted > 0 and policy.sessions == 1.0
+
+
 def test_state_round_trips_through_json():
     import json
 
