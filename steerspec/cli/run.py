@@ -329,7 +329,7 @@ def default_tree(args: argparse.Namespace, chains_only: bool):
         if not FastCachedLM.supports_config(config):
             return None
     shape = parse_tree(DEFAULT_TREE)
-    args.tree, args.policy = shape.spec(), DEFAULT_POLICY  # each block sized by the load-aware policy
+    args.tree = shape.spec()  # whole: one stream has no load to size to, and a seed then fixes the output
     return shape
 
 

@@ -44,7 +44,8 @@ async def test_sd2_drafter_through_services_is_exact_and_steered():
             if drafter == "sd2":
                 bytes_down = sum(r.bytes_down for r in results) / len(results)
                 d_v = verifier.config.hidden_size
-                assert 2 * d_v <= bytes_down <= 2 * d_v + 64  # the fp16 vector plus the small result fields
+                # the fp16 vector plus the small result fields (acceptance, timings, the verifier's load report)
+                assert 2 * d_v <= bytes_down <= 2 * d_v + 96
     assert taus["sd2"] > taus["pretrained"]
 
 
