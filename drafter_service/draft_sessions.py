@@ -103,6 +103,7 @@ class DrafterSession:
     policy_spec: str = ""  # the registry spec the policy was built from (key of the warm-start state)
     kind_state: Optional[object] = None  # what the session's kind keeps while drafting (SPRINTER's classifier)
     mode: BlockMode = EXACT_CHAIN  # the session's kind, verification rule and policy, parsed from its DraftOpen
+    seed: int = 0  # the stream's seed: each block's generator is reseeded from it and the committed length
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False
@@ -224,6 +225,28 @@ class Drafter:
             finally:
                 self.hooks.clear()
         lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
+
+    @torch.inference_mode()
+    def rescore(self, session: DrafterSession, ids: Sequence[int], positions: Optional[Tensor] = None,
+                visible: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The drafter's logits [len(ids), V] over the pending token and the block in flight (a tree's with
+        `positions` and `visible`, `FastCachedLM.extend_tree`), its cache put back as the block left it; None
+        for a cache that cannot be put back (not the lean one). Steered sessions pass with their vector."""
+        lm = session.lm
+        n = session.proposal.committed_length if session.proposal is not None else len(session.committed)
+        if not isinstance(lm, FastCachedLM) or lm.length < n:
+            return None
+        saved = lm.save(n - 1)
+        try:
+            lm.rollback(n - 1)
+            if self.hooks is not None and session.steering is not None:
+                lm.set_up_bias(self.hooks.up_biases(session.steering.to(self.model.device)))
+            if positions is None:
+                return lm.extend(list(ids)).logits
+            return lm.extend_tree(list(ids), positions, visible).logits
+        finally:
+            lm.set_up_bias(None)
+            lm.load(saved)
 
     def chain_row(self, session: DrafterSession) -> DraftRow:
         """The session's DraftRow for a batched chain draft. Steered: a feed longer than one token runs here

@@ -168,12 +168,12 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             load_policy_state(policy, self._warm[spec])  # what earlier sessions learned about this pair and link
             policy.reset()
         steering = self._steering(msg.steering, "DraftOpen.steering")
-        generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)
+        generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)  # reseeded per block
         ids = prompt.tolist()
         session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
-                                  mode=mode)
+                                  mode=mode, seed=rounds.drafter_seed(msg.seed))
         try:
             session.kind.open_drafter(self.drafter, session)
         except BaseException:
@@ -195,6 +195,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
     async def _propose(self, session: DrafterSession, traceparent: str = "") -> drafter_pb2.DraftResponse:
         """Draft the session's next block; its span is a child of the coordinator's block span."""
         start_ns = time.time_ns()
+        rounds.seed_block(session.generator, session.seed, len(session.committed))  # the seed and the prefix only
         out = await self.batcher.submit(session)
         session.seq += 1
         n = len(session.committed)

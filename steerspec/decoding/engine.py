@@ -222,9 +222,11 @@ def speculative_generate(
     policy = policy if policy is not None else FixedK(8)
     policy.reset()
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
+    base_seed = rounds.stream_seed(config.seed)
 
     def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         t0 = time.perf_counter()
+        rounds.seed_block(g_draft, base_seed, len(committed))  # a block's draws: the seed and the prefix only
         block = draft_block(drafter, committed, rounds.block_k(policy.next_k(), room), config, g_draft, policy)
         t1 = time.perf_counter()
         outcome, hidden = verify_block(verifier, committed[-1], block, config, g_verify, layers)

@@ -6,11 +6,14 @@ both services call these functions; no other module re-derives any of it.
 
 Randomness: a request's `seed` seeds two generators, the drafter's with `seed` and the verifier's
 with `seed + 1` (they live in different processes when distributed), so a seed fixes the output.
+The drafter's generator is reseeded per block from the seed and the committed length (`block_seed`), so a
+block prepared ahead of its result draws what it would have drawn after it.
 Verifier-only decoding samples directly with the seed itself.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -60,6 +63,30 @@ def resumed_seed(seed: int, committed_length: int) -> int:
     """The stream seed after a failover: derived from the request's seed and the committed length,
     so random draws after a resume are fresh rather than replayed."""
     return (int(seed) * 1_000_003 + int(committed_length)) % _SEED_MOD
+
+
+def block_seed(seed: int, committed_length: int) -> int:
+    """The drafter's seed for the block drafted after `committed_length` committed tokens (splitmix64 of both): a
+    block's draws depend only on the stream's seed and the committed prefix's length, not on whether the block was
+    drafted when its result arrived or prepared ahead (drafter_service/ahead.py). A sequence's committed length
+    grows every block, so no two blocks of a stream share a seed."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(committed_length) + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % _SEED_MOD
+
+
+def seed_block(generator: torch.Generator, seed: int, committed_length: int) -> torch.Generator:
+    """Reseed the drafter's generator for the block after `committed_length` committed tokens (`block_seed`)."""
+    generator.manual_seed(block_seed(seed, committed_length))
+    return generator
+
+
+def stream_seed(seed: Optional[int]) -> int:
+    """The drafter's stream seed for a request seeded with `seed` (a fresh random one when None)."""
+    if seed is None:
+        return secrets.randbits(62)
+    return drafter_seed(seed)
 
 
 def generator(seed: Optional[int], device="cpu") -> torch.Generator:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from steerspec.decoding.engine import DrafterSteering, RoundOut, RoundRecord, check_prompt, run_rounds
 from steerspec.decoding.generation_result import GenerationResult
-from steerspec.decoding.rounds import DecodeConfig, make_generators
+from steerspec.decoding.rounds import DecodeConfig, make_generators, seed_block, stream_seed
 from steerspec.decoding.sampling import SparseDist, draft_distribution, probs_from_logits, sample_sparse
 from steerspec.decoding.speculative import DraftBlock
 from steerspec.decoding.traversal import traversal_walk
@@ -263,10 +263,12 @@ def tree_generate(
         raise ValueError("tree drafting needs the fast KV backend on both models (Llama/Qwen/Mistral-style)")
     prompt = check_prompt(prompt_ids, config)
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
+    base_seed = stream_seed(config.seed)
 
     def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         n = len(committed)
         t0 = time.perf_counter()
+        seed_block(g_draft, base_seed, n)  # a block's draws: the seed and the prefix only (rounds.block_seed)
         here = cut_to_depth(shape, room - 1)
         if policy is not None:
             here = prefix(here, max(min(int(policy.next_k()), here.size), 0))

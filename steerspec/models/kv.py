@@ -46,6 +46,16 @@ ONE_ROW_ATTR = "_steerspec_one_row_onednn"  # on the model: threads -> whether o
 # (and ("retime", threads) -> how many more wrappers time it again, after a disturbed timing)
 
 
+class CacheSlice(NamedTuple):
+    """A lean cache's slots from `start` to `length` (keys and values per layer, copied): what a block drafted
+    ahead of its result left in the cache after the committed prefix (drafter_service/ahead.py)."""
+
+    start: int
+    length: int
+    keys: List[Tensor]
+    values: List[Tensor]
+
+
 class StepOutput(NamedTuple):
     """logits [n, V] for the fed positions (or the last ones kept); hidden [L, n, D] or None."""
 
@@ -519,6 +529,25 @@ class FastCachedLM(CachedLM):
         if length < 0 or length > self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
         self.length = length
+
+    @torch.inference_mode()
+    def save(self, start: int) -> CacheSlice:
+        """A copy of the slots from `start` to the end (the part a prepared block changes)."""
+        start = max(0, min(int(start), self.length))
+        return CacheSlice(start, self.length, [k[:, :, start:self.length].clone() for k in self._keys],
+                          [v[:, :, start:self.length].clone() for v in self._values])
+
+    @torch.inference_mode()
+    def load(self, piece: CacheSlice) -> None:
+        """Put a saved slice back: slots `piece.start` onwards hold it and the cache ends where it ended (the
+        slots before `start` must hold what they held when it was saved)."""
+        if piece.start > self.length:
+            raise ValueError(f"cannot load slots from {piece.start}: cache holds {self.length} tokens")
+        self._grow(piece.length)
+        for keys, values, k, v in zip(self._keys, self._values, piece.keys, piece.values):
+            keys[:, :, piece.start:piece.length] = k
+            values[:, :, piece.start:piece.length] = v
+        self.length = piece.length
 
     def reset(self) -> None:
         self.length = 0
