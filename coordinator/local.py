@@ -91,6 +91,7 @@ class LocalCluster:
         self.drafter_targets: List[str] = []
         self.verifier_servers: List[object] = []
         self.drafter_servers: List[object] = []
+        self.drafter_servicers: List[object] = []  # DrafterServicers (their `ahead` counts drafting ahead)
         self.coordinator: Optional[Coordinator] = None
         self.target = ""
         self.steering = False  # an SD² drafter: requests ask for steering
@@ -143,7 +144,8 @@ class LocalCluster:
                 drafter_model, hooks = _load(self.drafter, dtype, self.device), None
             for i in range(self.drafters):
                 config = DrafterConfig(model_name=_name(self.drafter, drafter_model), **self.drafter_options)
-                running, _ = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)
+                running, servicer = await serve_drafter(drafter_model, config, host="127.0.0.1", port=0, hooks=hooks)
+                self.drafter_servicers.append(servicer)
                 self._servers.append(running)
                 self.drafter_servers.append(running)
                 self.drafter_targets.append(running.target)

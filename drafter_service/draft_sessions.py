@@ -104,6 +104,9 @@ class DrafterSession:
     kind_state: Optional[object] = None  # what the session's kind keeps while drafting (SPRINTER's classifier)
     mode: BlockMode = EXACT_CHAIN  # the session's kind, verification rule and policy, parsed from its DraftOpen
     seed: int = 0  # the stream's seed: each block's generator is reseeded from it and the committed length
+    ahead: Optional[bool] = None  # drafting ahead (drafter_service/ahead.py): None = the drafter's default
+    ahead_outcomes: Optional[int] = None  # verdicts prepared per block (None = the drafter's default)
+    ahead_budget_ms: Optional[float] = None  # drafter time preparing per block (None = default; 0 = no limit)
     seq: int = 0
     proposal: Optional[Proposal] = None
     closed: bool = False

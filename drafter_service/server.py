@@ -21,6 +21,7 @@ from typing import Dict, Optional
 import grpc
 import torch
 
+from drafter_service.ahead import DEFAULT_BUDGET_MS, DEFAULT_OUTCOMES, Ahead, AheadConfig, AheadReport
 from drafter_service.draft_batcher import DraftBatcher
 from drafter_service.draft_sessions import (
     Drafter,
@@ -59,6 +60,9 @@ class DrafterConfig:
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
     sprinter_head: Optional[str] = None  # SPRINTER head directory (default: MODEL/sprinter) for lossy sessions
     identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its steering)
+    draft_ahead: bool = True  # sessions that do not say prepare their next block while one is verified (ahead.py)
+    ahead_outcomes: int = DEFAULT_OUTCOMES  # verdicts prepared per block by default
+    ahead_budget_ms: float = DEFAULT_BUDGET_MS  # drafter time preparing per block by default (0 = no time limit)
 
 
 def _mode(msg: drafter_pb2.DraftOpen, default_policy: str) -> BlockMode:
@@ -69,6 +73,19 @@ def _mode(msg: drafter_pb2.DraftOpen, default_policy: str) -> BlockMode:
                           policy=msg.policy, default_policy=default_policy, block_kind=msg.block_kind)
     except ModeError as exc:
         raise wire.invalid(str(exc)) from None
+
+
+def _ahead(msg: drafter_pb2.DraftOpen):
+    """DraftOpen's drafting-ahead fields -> (on or None for the drafter's default, verdicts or None, budget ms or
+    None; 0 = no time limit); INVALID_ARGUMENT naming a bad value."""
+    setting = msg.draft_ahead.strip().lower()
+    if setting not in ("", "on", "off"):
+        raise wire.invalid(f"draft_ahead {msg.draft_ahead!r} is not 'on', 'off' or empty (the drafter's default)")
+    if msg.ahead_outcomes > 64:
+        raise wire.invalid(f"ahead_outcomes {msg.ahead_outcomes} exceeds the limit of 64 verdicts per block")
+    budget = float(msg.ahead_budget_ms)
+    return ({"": None, "on": True, "off": False}[setting], int(msg.ahead_outcomes) or None,
+            None if budget == 0 else max(budget, 0.0))
 
 
 def _error(code: grpc.StatusCode, message: str, seq: int = 0) -> drafter_pb2.DraftResponse:
@@ -90,6 +107,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.table = DrafterSessionTable(model, config.max_sessions)
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
                                     max_batch=config.max_sessions, inline=inline_compute(model))
+        self.ahead = Ahead(self.drafter, AheadConfig(config.draft_ahead, config.ahead_outcomes,
+                                                     config.ahead_budget_ms),
+                           busy=lambda: self.batcher.queue_depth > 0)
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
@@ -127,7 +147,12 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise
 
     def close_session(self, session: DrafterSession) -> None:
+        self.ahead.drop(session)
         self.table.close(session)
+
+    def after_reply(self, session: DrafterSession) -> None:
+        """The block has left: prepare the next one for its likeliest verdicts, in idle time (ahead.py)."""
+        self.ahead.start(session)
 
     def _steering(self, msg: common_pb2.Tensor, what: str) -> Optional[torch.Tensor]:
         if not wire.has_tensor(msg):
@@ -168,12 +193,14 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             load_policy_state(policy, self._warm[spec])  # what earlier sessions learned about this pair and link
             policy.reset()
         steering = self._steering(msg.steering, "DraftOpen.steering")
+        ahead = _ahead(msg)
         generator = rounds.generator(rounds.drafter_seed(msg.seed), self.model.device)  # reseeded per block
         ids = prompt.tolist()
         session = self.table.open(msg.session_id, committed=ids, open_length=len(ids), params=params,
                                   generator=generator, k=k, draft_top_k=top_k, policy=policy,
                                   max_new_tokens=int(msg.max_new_tokens), steering=steering, policy_spec=spec,
-                                  mode=mode, seed=rounds.drafter_seed(msg.seed))
+                                  mode=mode, seed=rounds.drafter_seed(msg.seed), ahead=ahead[0],
+                                  ahead_outcomes=ahead[1], ahead_budget_ms=ahead[2])
         try:
             session.kind.open_drafter(self.drafter, session)
         except BaseException:
@@ -192,11 +219,15 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
             raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(
                 verifier, self.identity, "drafter", differences, drafter_fix(differences)))
 
-    async def _propose(self, session: DrafterSession, traceparent: str = "") -> drafter_pb2.DraftResponse:
-        """Draft the session's next block; its span is a child of the coordinator's block span."""
+    async def _propose(self, session: DrafterSession, traceparent: str = "",
+                       report: Optional[AheadReport] = None) -> drafter_pb2.DraftResponse:
+        """Draft the session's next block (or send the one prepared ahead for the verdict just committed); its span
+        is a child of the coordinator's block span."""
         start_ns = time.time_ns()
-        rounds.seed_block(session.generator, session.seed, len(session.committed))  # the seed and the prefix only
-        out = await self.batcher.submit(session)
+        out = self.ahead.use(session) if report is not None and report.hit else None
+        if out is None:
+            rounds.seed_block(session.generator, session.seed, len(session.committed))  # the seed and the prefix only
+            out = await self.batcher.submit(session)
         session.seq += 1
         n = len(session.committed)
         session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids,
@@ -204,6 +235,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
         session.kind.encode_block(session, out, block)
+        if report is not None and report.on:
+            block.ahead, block.ahead_hit = True, report.hit
+            block.ahead_prepared, block.ahead_ms = report.prepared, report.ahead_ms
         block.policy_state = policy_state(session.policy)
         if getattr(session.policy, "warm_start", False):
             self._warm[session.policy_spec] = block.policy_state
@@ -212,7 +246,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                       start_ns + int(out.draft_ms * 1e6),
                                       parent=self._tracing.context_from_traceparent(traceparent),
                                       block=session.seq, k=len(out.draft_ids),
-                                      bytes=block.ByteSize(), batch_size=out.batch_size)
+                                      bytes=block.ByteSize(), batch_size=out.batch_size,
+                                      ahead_hit=bool(block.ahead_hit), ahead_prepared=int(block.ahead_prepared),
+                                      ahead_ms=float(block.ahead_ms))
         return drafter_pb2.DraftResponse(block=block)
 
     def _check_feedback(self, session: DrafterSession, msg: drafter_pb2.DraftFeedback):
@@ -267,11 +303,13 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                pass_rows=int(result.pass_rows), blocks_waiting=int(result.blocks_waiting),
                                cost_fixed_ms=float(result.cost_fixed_ms),
                                cost_per_row_ms=float(result.cost_per_row_ms))
+        report = self.ahead.take(session, int(result.accepted), int(result.next_token), list(result.path))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing,
                                     path=list(result.path))
         if not msg.want_block:
+            self.ahead.drop(session)
             return None
-        return await self._propose(session, msg.traceparent)
+        return await self._propose(session, msg.traceparent, report)
 
 
 async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int = 0, hooks=None,

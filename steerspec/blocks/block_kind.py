@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Sequ
 
 import grpc
 
+from steerspec.decoding.outcomes import Outcome
 from steerspec.decoding.sampling import SparseDist
 from steerspec.serving import wire
 from steerspec.serving.wire import ProtocolError, WireBlock, invalid
@@ -118,6 +119,12 @@ class BlockKind:
         k = len(session.proposal.draft_ids)
         if result.is_bonus != (result.accepted == k):
             raise invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
+
+    def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
+        """The `limit` likeliest verdicts of the session's block in flight, by the drafter's own probabilities,
+        for drafting ahead (drafter_service/ahead.py); [] when this kind does not draft ahead. The cache must be
+        as the block left it when this returns."""
+        return []
 
     def feedback(self, drafter, session, verdict: Verdict) -> None:
         """Commit the accepted drafts and the next token to the session; roll its cache back to them."""

@@ -18,6 +18,7 @@ from torch import Tensor
 from steerspec.blocks.block_kind import BlockKind, DraftOutput, JobResult, Verdict, register_kind
 from steerspec.decoding import fastpath, verifying
 from steerspec.decoding.drafting import draft_blocks
+from steerspec.decoding.outcomes import Outcome, chain_outcomes, log_probs
 from steerspec.decoding.engine import DecodeConfig, draft_block, speculative_generate
 from steerspec.decoding.speculative import DraftBlock
 from steerspec.decoding.verifying import VerifyRow
@@ -57,6 +58,15 @@ class ChainKind(BlockKind):
             drafter.unsteer()
         drafter.sync()
         return drafter.output(block, start)
+
+    def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
+        """The likeliest (accepted, next token) of the chain in flight, from one drafter pass over
+        [pending, drafts...] (`Drafter.rescore`)."""
+        drafts = session.proposal.draft_ids
+        logits = drafter.rescore(session, [session.committed[-1], *drafts])
+        if logits is None:
+            return []
+        return chain_outcomes(log_probs(logits, session.params.temperature), drafts, limit)
 
     def feedback(self, drafter, session, verdict: Verdict) -> None:
         """Commit, roll back, and tell the session's draft-length policy how the block fared."""

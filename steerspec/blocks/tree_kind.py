@@ -21,6 +21,7 @@ from steerspec.blocks.block_kind import BlockKind, DraftOutput, JobResult, Verdi
     register_kind
 from steerspec.decoding import rounds
 from steerspec.decoding.engine import DecodeConfig
+from steerspec.decoding.outcomes import Outcome, log_probs, tree_outcomes
 from steerspec.decoding.sampling import SparseDist
 from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees, finish_tree, \
     tree_feed, tree_generate
@@ -123,6 +124,18 @@ class TreeKind(BlockKind):
         budget = session.budget()  # the verifier adds one token (recovered or bonus) after the path itself
         depth = tree.depth if budget is None else rounds.block_k(tree.depth, budget)
         return prefix(cut_to_depth(tree, depth), min(nodes, drafter.context - len(session.committed)))
+
+    def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
+        """The likeliest (path, next token) of the tree in flight, from one drafter pass over [pending, nodes...]
+        with the tree's ancestor mask (`Drafter.rescore`)."""
+        tokens = session.proposal.draft_ids
+        shape = prefix(session.mode.tree, len(tokens))
+        n = session.proposal.committed_length
+        feed, positions, visible = tree_feed(session.committed[-1], tokens, shape, n - 1)
+        logits = drafter.rescore(session, feed, positions, visible)
+        if logits is None:
+            return []
+        return tree_outcomes(log_probs(logits, session.params.temperature), tokens, shape, limit)
 
     def check_feedback(self, session, result: common_pb2.VerifyResult) -> None:
         proposal = session.proposal

@@ -59,6 +59,9 @@ class SessionStreamServicer:
         """Free the session's cache (called once the stream ends, however it ends)."""
         raise NotImplementedError
 
+    def after_reply(self, session) -> None:
+        """Called once a reply has been written (the drafter starts drafting ahead there); nothing by default."""
+
     async def serve_session(self, context) -> None:
         spec = self.stream_spec
         session = None
@@ -81,6 +84,7 @@ class SessionStreamServicer:
                 log.exception("%s stream: %s", spec.stream, spec.open_failure)
                 await context.abort(grpc.StatusCode.INTERNAL, f"{spec.open_failure} ({type(exc).__name__}: {exc})")
             await context.write(reply)
+            self.after_reply(session)
             while True:
                 request = await self._read(context, session)
                 if request is None:
@@ -108,6 +112,7 @@ class SessionStreamServicer:
                 session.touch()
                 if reply is not None:
                     await context.write(reply)
+                    self.after_reply(session)
         finally:
             if session is not None:
                 self.close_session(session)

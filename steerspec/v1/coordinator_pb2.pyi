@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "seed", "k", "draft_top_k", "mode", "policy", "session_id", "steering", "verification", "tree", "stop", "block_kind")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "seed", "k", "draft_top_k", "mode", "policy", "session_id", "steering", "verification", "tree", "stop", "draft_ahead", "ahead_outcomes", "ahead_budget_ms", "block_kind")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,9 @@ class GenerateRequest(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KIND_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -38,8 +41,11 @@ class GenerateRequest(_message.Message):
     verification: str
     tree: str
     stop: _containers.RepeatedScalarFieldContainer[str]
+    draft_ahead: str
+    ahead_outcomes: int
+    ahead_budget_ms: float
     block_kind: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., mode: _Optional[str] = ..., policy: _Optional[str] = ..., session_id: _Optional[str] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., block_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., mode: _Optional[str] = ..., policy: _Optional[str] = ..., session_id: _Optional[str] = ..., steering: _Optional[bool] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., draft_ahead: _Optional[str] = ..., ahead_outcomes: _Optional[int] = ..., ahead_budget_ms: _Optional[float] = ..., block_kind: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("seq", "token_ids", "text", "accepted", "drafted")
@@ -70,7 +76,7 @@ class StageTimes(_message.Message):
     def __init__(self, draft_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationSummary(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "rounds", "drafted", "accepted", "block_efficiency", "acceptance_rate", "accepted_per_position", "tokens_per_s", "rtt_ms", "bytes_up", "bytes_down", "stage_ms", "wall_s", "finish_reason", "resumes", "trace_id", "lossy", "verification", "sprinter", "draft_compute_ms", "batch_size", "block_drafted", "block_accepted", "prompt_tokens")
+    __slots__ = ("session_id", "token_ids", "text", "rounds", "drafted", "accepted", "block_efficiency", "acceptance_rate", "accepted_per_position", "tokens_per_s", "rtt_ms", "bytes_up", "bytes_down", "stage_ms", "wall_s", "finish_reason", "resumes", "trace_id", "lossy", "verification", "sprinter", "draft_compute_ms", "batch_size", "block_drafted", "block_accepted", "prompt_tokens", "ahead_blocks", "ahead_hits", "ahead_prepared", "ahead_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +103,10 @@ class GenerationSummary(_message.Message):
     BLOCK_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -123,7 +133,11 @@ class GenerationSummary(_message.Message):
     block_drafted: _containers.RepeatedScalarFieldContainer[int]
     block_accepted: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., block_efficiency: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[float]] = ..., tokens_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bytes_up: _Optional[float] = ..., bytes_down: _Optional[float] = ..., stage_ms: _Optional[_Union[StageTimes, _Mapping]] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., trace_id: _Optional[str] = ..., lossy: _Optional[bool] = ..., verification: _Optional[str] = ..., sprinter: _Optional[_Union[SprinterTheory, _Mapping]] = ..., draft_compute_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., block_drafted: _Optional[_Iterable[int]] = ..., block_accepted: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    ahead_blocks: int
+    ahead_hits: int
+    ahead_prepared: float
+    ahead_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., block_efficiency: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[float]] = ..., tokens_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bytes_up: _Optional[float] = ..., bytes_down: _Optional[float] = ..., stage_ms: _Optional[_Union[StageTimes, _Mapping]] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., trace_id: _Optional[str] = ..., lossy: _Optional[bool] = ..., verification: _Optional[str] = ..., sprinter: _Optional[_Union[SprinterTheory, _Mapping]] = ..., draft_compute_ms: _Optional[float] = ..., batch_size: _Optional[float] = ..., block_drafted: _Optional[_Iterable[int]] = ..., block_accepted: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_prepared: _Optional[float] = ..., ahead_ms: _Optional[float] = ...) -> None: ...
 
 class SprinterTheory(_message.Message):
     __slots__ = ("eta_tp", "eta_fp", "tv_pq", "tv_bound", "mean_run_length", "expected_run_length", "labelled", "tv_measured")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from steerspec.v1 import common_pb2 as steerspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asteerspec/v1/drafter.proto\x12\x0csteerspec.v1\x1a\x19steerspec/v1/common.proto\"\xf3\x02\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.steerspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\t\n\x01k\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_top_k\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12&\n\x08steering\x18\x08 \x01(\x0b\x32\x14.steerspec.v1.Tensor\x12\x16\n\x0emax_new_tokens\x18\t \x01(\r\x12\x14\n\x0cpolicy_state\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x14\n\x0cverification\x18\x0c \x01(\t\x12\x0c\n\x04tree\x18\r \x01(\t\x12-\n\x08verifier\x18\x0e \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\x12\x12\n\nblock_kind\x18\x1e \x01(\t\"\x8a\x01\n\rDraftFeedback\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.VerifyResult\x12\x12\n\nwant_block\x18\x02 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x04 \x01(\x01\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1c\n\nDraftClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9b\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.steerspec.v1.DraftOpenH\x00\x12/\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x1b.steerspec.v1.DraftFeedbackH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.steerspec.v1.DraftCloseH\x00\x42\x06\n\x04kind\"n\n\rDraftResponse\x12)\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x18.steerspec.v1.DraftBlockH\x00\x12*\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x19.steerspec.v1.StreamErrorH\x00\x42\x06\n\x04kind\"\x18\n\x16GetDrafterStatsRequest\"D\n\x17GetDrafterStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.ServiceStats2\xb6\x01\n\x0e\x44rafterService\x12\x44\n\x05\x44raft\x12\x1a.steerspec.v1.DraftRequest\x1a\x1b.steerspec.v1.DraftResponse(\x01\x30\x01\x12^\n\x0fGetDrafterStats\x12$.steerspec.v1.GetDrafterStatsRequest\x1a%.steerspec.v1.GetDrafterStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asteerspec/v1/drafter.proto\x12\x0csteerspec.v1\x1a\x19steerspec/v1/common.proto\"\xb9\x03\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.steerspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\t\n\x01k\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_top_k\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12&\n\x08steering\x18\x08 \x01(\x0b\x32\x14.steerspec.v1.Tensor\x12\x16\n\x0emax_new_tokens\x18\t \x01(\r\x12\x14\n\x0cpolicy_state\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x14\n\x0cverification\x18\x0c \x01(\t\x12\x0c\n\x04tree\x18\r \x01(\t\x12-\n\x08verifier\x18\x0e \x01(\x0b\x32\x1b.steerspec.v1.ModelIdentity\x12\x13\n\x0b\x64raft_ahead\x18\x0f \x01(\t\x12\x16\n\x0e\x61head_outcomes\x18\x10 \x01(\r\x12\x17\n\x0f\x61head_budget_ms\x18\x11 \x01(\x01\x12\x12\n\nblock_kind\x18\x1e \x01(\t\"\x8a\x01\n\rDraftFeedback\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.VerifyResult\x12\x12\n\nwant_block\x18\x02 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x04 \x01(\x01\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1c\n\nDraftClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9b\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.steerspec.v1.DraftOpenH\x00\x12/\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x1b.steerspec.v1.DraftFeedbackH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.steerspec.v1.DraftCloseH\x00\x42\x06\n\x04kind\"n\n\rDraftResponse\x12)\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x18.steerspec.v1.DraftBlockH\x00\x12*\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x19.steerspec.v1.StreamErrorH\x00\x42\x06\n\x04kind\"\x18\n\x16GetDrafterStatsRequest\"D\n\x17GetDrafterStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.steerspec.v1.ServiceStats2\xb6\x01\n\x0e\x44rafterService\x12\x44\n\x05\x44raft\x12\x1a.steerspec.v1.DraftRequest\x1a\x1b.steerspec.v1.DraftResponse(\x01\x30\x01\x12^\n\x0fGetDrafterStats\x12$.steerspec.v1.GetDrafterStatsRequest\x1a%.steerspec.v1.GetDrafterStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'steerspec.v1.drafter_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTOPEN']._serialized_start=72
-  _globals['_DRAFTOPEN']._serialized_end=443
-  _globals['_DRAFTFEEDBACK']._serialized_start=446
-  _globals['_DRAFTFEEDBACK']._serialized_end=584
-  _globals['_DRAFTCLOSE']._serialized_start=586
-  _globals['_DRAFTCLOSE']._serialized_end=614
-  _globals['_DRAFTREQUEST']._serialized_start=617
-  _globals['_DRAFTREQUEST']._serialized_end=772
-  _globals['_DRAFTRESPONSE']._serialized_start=774
-  _globals['_DRAFTRESPONSE']._serialized_end=884
-  _globals['_GETDRAFTERSTATSREQUEST']._serialized_start=886
-  _globals['_GETDRAFTERSTATSREQUEST']._serialized_end=910
-  _globals['_GETDRAFTERSTATSRESPONSE']._serialized_start=912
-  _globals['_GETDRAFTERSTATSRESPONSE']._serialized_end=980
-  _globals['_DRAFTERSERVICE']._serialized_start=983
-  _globals['_DRAFTERSERVICE']._serialized_end=1165
+  _globals['_DRAFTOPEN']._serialized_end=513
+  _globals['_DRAFTFEEDBACK']._serialized_start=516
+  _globals['_DRAFTFEEDBACK']._serialized_end=654
+  _globals['_DRAFTCLOSE']._serialized_start=656
+  _globals['_DRAFTCLOSE']._serialized_end=684
+  _globals['_DRAFTREQUEST']._serialized_start=687
+  _globals['_DRAFTREQUEST']._serialized_end=842
+  _globals['_DRAFTRESPONSE']._serialized_start=844
+  _globals['_DRAFTRESPONSE']._serialized_end=954
+  _globals['_GETDRAFTERSTATSREQUEST']._serialized_start=956
+  _globals['_GETDRAFTERSTATSREQUEST']._serialized_end=980
+  _globals['_GETDRAFTERSTATSRESPONSE']._serialized_start=982
+  _globals['_GETDRAFTERSTATSRESPONSE']._serialized_end=1050
+  _globals['_DRAFTERSERVICE']._serialized_start=1053
+  _globals['_DRAFTERSERVICE']._serialized_end=1235
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "k", "draft_top_k", "policy", "steering", "max_new_tokens", "policy_state", "traceparent", "verification", "tree", "verifier", "block_kind")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "seed", "k", "draft_top_k", "policy", "steering", "max_new_tokens", "policy_state", "traceparent", "verification", "tree", "verifier", "draft_ahead", "ahead_outcomes", "ahead_budget_ms", "block_kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,9 @@ class DraftOpen(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -38,8 +41,11 @@ class DraftOpen(_message.Message):
     verification: str
     tree: str
     verifier: _common_pb2.ModelIdentity
+    draft_ahead: str
+    ahead_outcomes: int
+    ahead_budget_ms: float
     block_kind: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., policy: _Optional[str] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., verifier: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., block_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., draft_top_k: _Optional[int] = ..., policy: _Optional[str] = ..., steering: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., verification: _Optional[str] = ..., tree: _Optional[str] = ..., verifier: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., draft_ahead: _Optional[str] = ..., ahead_outcomes: _Optional[int] = ..., ahead_budget_ms: _Optional[float] = ..., block_kind: _Optional[str] = ...) -> None: ...
 
 class DraftFeedback(_message.Message):
     __slots__ = ("result", "want_block", "draft_ms", "network_ms", "traceparent")
