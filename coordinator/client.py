@@ -92,6 +92,16 @@ class Summary:
     block_drafted: List[int] = field(default_factory=list)  # per verified block: draft tokens proposed
     block_accepted: List[int] = field(default_factory=list)  # per verified block: draft tokens accepted
     prompt_tokens: int = 0
+    # drafting ahead: blocks after a block drafted ahead for, those prepared for their verdict, and per such block
+    # the verdicts prepared and the drafter time that took (draft_compute_ms is then what was left on the critical path)
+    ahead_blocks: int = 0
+    ahead_hits: int = 0
+    ahead_prepared: float = 0.0
+    ahead_ms: float = 0.0
+
+    @property
+    def ahead_hit_rate(self) -> float:
+        return self.ahead_hits / self.ahead_blocks if self.ahead_blocks else 0.0
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationSummary, retries: int = 0) -> "Summary":
@@ -107,7 +117,9 @@ class Summary:
                    retries=retries, lossy=msg.lossy, verification=msg.verification or "exact",
                    draft_compute_ms=msg.draft_compute_ms, batch_size=msg.batch_size,
                    sprinter=_sprinter_theory(msg), block_drafted=list(msg.block_drafted),
-                   block_accepted=list(msg.block_accepted), prompt_tokens=msg.prompt_tokens)
+                   block_accepted=list(msg.block_accepted), prompt_tokens=msg.prompt_tokens,
+                   ahead_blocks=msg.ahead_blocks, ahead_hits=msg.ahead_hits, ahead_prepared=msg.ahead_prepared,
+                   ahead_ms=msg.ahead_ms)
 
 
 def _sprinter_theory(msg: coordinator_pb2.GenerationSummary) -> Optional[Dict[str, float]]:
@@ -124,7 +136,8 @@ Item = Union[Chunk, Summary]
 
 
 def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, seed, k, draft_top_k, mode, policy,
-             steering, session_id, verification="exact", tree="", block_kind="", stop=()) -> coordinator_pb2.GenerateRequest:
+             steering, session_id, verification="exact", tree="", block_kind="", stop=(), draft_ahead="",
+             ahead_outcomes=0, ahead_budget_ms=0.0) -> coordinator_pb2.GenerateRequest:
     # lazy: the SDK imports without torch
     from steerspec.decoding.trees import parse_tree
     from steerspec.sprinter.spec import parse_verification
@@ -134,12 +147,27 @@ def _request(prompt, prompt_ids, *, max_new_tokens, temperature, top_k, top_p, s
     parse_verification(verification)  # a bad spec is a ValueError here, before any call
     if tree:
         parse_tree(tree)  # likewise
+    draft_ahead = ahead_setting(draft_ahead)
     return coordinator_pb2.GenerateRequest(
         prompt=prompt or "", prompt_ids=list(prompt_ids or []), max_new_tokens=max_new_tokens,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed, k=k,
         draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
         session_id=session_id or uuid.uuid4().hex, verification=verification, tree=tree or "",
-        block_kind=block_kind or "", stop=[stop] if isinstance(stop, str) else list(stop or ()))
+        block_kind=block_kind or "", stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        draft_ahead=draft_ahead, ahead_outcomes=int(ahead_outcomes), ahead_budget_ms=float(ahead_budget_ms))
+
+
+def ahead_setting(value) -> str:
+    """A drafting-ahead setting as the wire sends it: True/"on" -> "on", False/"off" -> "off", None/"" -> ""
+    (the deployment's default); ValueError otherwise."""
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(f"draft_ahead must be 'on', 'off', True, False or None, got {value!r}")
+    return text
 
 
 class _Dedup:
@@ -277,17 +305,21 @@ class Client:
                  policy: str = "",
                  steering: bool = False, session_id: Optional[str] = None,
                  timeout: Optional[float] = None, verification: str = "exact", tree: str = "",
-                 block_kind: str = "", stop: Union[str, Sequence[str]] = ()) -> Iterator[Item]:
+                 block_kind: str = "", stop: Union[str, Sequence[str]] = (), draft_ahead=None,
+                 ahead_outcomes: int = 0, ahead_budget_ms: float = 0.0) -> Iterator[Item]:
         """Stream `Chunk`s as blocks are verified, then one `Summary` (sync iterator). `tree`: a draft tree's
         rank paths (e.g. "0,1,2,00,10" or "default") instead of k: exact, fixed policy; naming no k, tree or policy
         gets the deployment's load-aware default. `block_kind`: a block kind registered on the services outside the
         bundled ones (steerspec/blocks/), by name. `stop`: stop sequences (the text ends before the first match;
-        finish_reason "stop")."""
+        finish_reason "stop"). `draft_ahead`: True/"on", False/"off" or None (the deployment's default): the drafter
+        prepares the next block while one is verified (exact either way); `ahead_outcomes` / `ahead_budget_ms`: its
+        budget per block (0: the drafter's defaults)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification, tree=tree,
-                           block_kind=block_kind, stop=stop)
+                           block_kind=block_kind, stop=stop, draft_ahead=draft_ahead, ahead_outcomes=ahead_outcomes,
+                           ahead_budget_ms=ahead_budget_ms)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0
@@ -317,13 +349,16 @@ class Client:
                         seed: Optional[int] = None, k: int = 0, draft_top_k: int = 64, mode: str = "speculative",
                         policy: str = "", steering: bool = False, session_id: Optional[str] = None,
                         timeout: Optional[float] = None, verification: str = "exact",
-                        tree: str = "", block_kind: str = "", stop: Union[str, Sequence[str]] = ()) -> AsyncIterator[Item]:
+                        tree: str = "", block_kind: str = "", stop: Union[str, Sequence[str]] = (),
+                        draft_ahead=None, ahead_outcomes: int = 0,
+                        ahead_budget_ms: float = 0.0) -> AsyncIterator[Item]:
         """Asyncio version of `generate` (cancelling the consumer cancels the call)."""
         request = _request(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=default_seed(seed, temperature), k=k, draft_top_k=draft_top_k,
                            mode=mode, policy=policy,
                            steering=steering, session_id=session_id, verification=verification, tree=tree,
-                           block_kind=block_kind, stop=stop)
+                           block_kind=block_kind, stop=stop, draft_ahead=draft_ahead, ahead_outcomes=ahead_outcomes,
+                           ahead_budget_ms=ahead_budget_ms)
         deadline = None if timeout is None else time.monotonic() + timeout
         dedup = _Dedup()
         attempt = 0

@@ -200,7 +200,8 @@ class LocalCluster:
                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, k: int = 0, draft_top_k: int = 64,
                        mode: str = "speculative", policy: str = "", steering: bool = False,
                        session_id: str = "", timeout: Optional[float] = None,
-                       verification: str = "exact", tree: str = "", block_kind: str = "") -> DistributedResult:
+                       verification: str = "exact", tree: str = "", block_kind: str = "", draft_ahead: str = "",
+                       ahead_outcomes: int = 0, ahead_budget_ms: float = 0.0) -> DistributedResult:
         """One generation driven by this process's coordinator (no client hop); returns its result. Naming no k, tree
         or policy gets the deployment's default (`blocks.block_mode.default_fields`: the load-aware default)."""
         check_verification(verification, self.allow_lossy)
@@ -208,7 +209,8 @@ class LocalCluster:
                                  sampling=SamplingParams(temperature, top_k, top_p), seed=seed, k=k,
                                  draft_top_k=draft_top_k, mode=mode, policy=policy, steering=steering,
                                  session_id=session_id, verification=verification, tree=tree,
-                                 block_kind=block_kind).validate()
+                                 block_kind=block_kind, draft_ahead=draft_ahead, ahead_outcomes=ahead_outcomes,
+                                 ahead_budget_ms=ahead_budget_ms).validate()
         await self.coordinator.store.create_session(request.session_id, request.params(), {})
         deadline = None if timeout is None else time.monotonic() + timeout
         loop = SessionLoop(request, self.coordinator.config, deadline=deadline)

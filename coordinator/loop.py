@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("speculative", "autoregressive")
 MAX_NEW_TOKENS = 1 << 16
+AHEAD_SETTINGS = ("", "on", "off")  # drafting ahead: "" = the drafter's default
+MAX_AHEAD_OUTCOMES = 64
 
 
 class ContextFull(Exception):
@@ -129,6 +131,9 @@ class SessionRequest:
     tree: str = ""  # a static draft tree's rank paths instead of k ("": chains; steerspec/decoding/trees.py)
     block_kind: str = ""  # a block kind registered outside the bundled ones, by name (steerspec/blocks/)
     stop: Tuple[str, ...] = ()  # stop sequences, applied to the text by the coordinator (coordinator/stops.py)
+    draft_ahead: str = ""  # "on" | "off" | "" (the drafter's default): drafting ahead (drafter_service/ahead.py)
+    ahead_outcomes: int = 0  # verdicts prepared per block (0: the drafter's default)
+    ahead_budget_ms: float = 0.0  # drafter time preparing per block (0: the drafter's default; < 0: no limit)
 
     _mode: Optional[BlockMode] = field(default=None, init=False, repr=False, compare=False)
 
@@ -170,6 +175,12 @@ class SessionRequest:
                                                         verification=self.verification, block_kind=self.block_kind)
         if self.mode == "speculative" and not (1 <= self.k <= MAX_K):
             raise _invalid(f"k must be in [1, {MAX_K}], got {self.k}")
+        self.draft_ahead = (self.draft_ahead or "").strip().lower()
+        if self.draft_ahead not in AHEAD_SETTINGS:
+            raise _invalid(f"draft_ahead must be 'on', 'off' or empty (the drafter's default), got {self.draft_ahead!r}")
+        if not 0 <= self.ahead_outcomes <= MAX_AHEAD_OUTCOMES:
+            raise _invalid(f"ahead_outcomes must be in [0, {MAX_AHEAD_OUTCOMES}] (0 = the drafter's default), "
+                           f"got {self.ahead_outcomes}")
         if self.draft_top_k < 0:
             raise _invalid(f"draft_top_k must be >= 0 (0 = full vocabulary), got {self.draft_top_k}")
         try:
@@ -199,7 +210,8 @@ class SessionRequest:
                 "top_p": self.sampling.top_p, "seed": self.seed, "k": self.k, "draft_top_k": self.draft_top_k,
                 "mode": self.mode, "policy": self.policy, "steering": self.steering,
                 "verification": self.verification, "tree": self.tree, "block_kind": self.block_kind,
-                "stop": list(self.stop)}
+                "stop": list(self.stop), "draft_ahead": self.draft_ahead, "ahead_outcomes": self.ahead_outcomes,
+                "ahead_budget_ms": self.ahead_budget_ms}
 
     @classmethod
     def from_params(cls, session_id: str, p: Dict[str, object]) -> "SessionRequest":
@@ -208,7 +220,9 @@ class SessionRequest:
                    seed=int(p["seed"]), k=int(p["k"]), draft_top_k=int(p["draft_top_k"]), mode=str(p["mode"]),
                    policy=str(p["policy"]), steering=bool(p["steering"]), session_id=session_id,
                    verification=str(p.get("verification", "exact")), tree=str(p.get("tree", "")),
-                   block_kind=str(p.get("block_kind", "")), stop=tuple(str(x) for x in p.get("stop", ()) or ()))
+                   block_kind=str(p.get("block_kind", "")), stop=tuple(str(x) for x in p.get("stop", ()) or ()),
+                   draft_ahead=str(p.get("draft_ahead", "")), ahead_outcomes=int(p.get("ahead_outcomes", 0)),
+                   ahead_budget_ms=float(p.get("ahead_budget_ms", 0.0)))
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         s = self.sampling
@@ -436,7 +450,8 @@ class SessionLoop:
                 seed=self._stream_seed(), k=self.mode.block_limit, draft_top_k=self.req.draft_top_k,
                 policy=self.mode.policy, max_new_tokens=self.remaining, policy_state=self.policy_state,
                 traceparent=self._begin_block_span(), verification=self.mode.verification.spec(),
-                tree=self.mode.tree_spec, block_kind=self.mode.custom)
+                tree=self.mode.tree_spec, block_kind=self.mode.custom, draft_ahead=self.req.draft_ahead,
+                ahead_outcomes=self.req.ahead_outcomes, ahead_budget_ms=self.req.ahead_budget_ms)
             if self.steering is not None:
                 opening.steering.CopyFrom(self.steering)
             if self.verifier_model is not None:
@@ -595,7 +610,8 @@ class SessionLoop:
                     draft_ms=draft_wait_ms, draft_compute_ms=float(block.draft_ms), network_ms=network_ms, queue_ms=float(result.queue_ms),
                     verify_ms=float(result.verify_ms), cycle_ms=(committed_at - cycle_start) * 1000.0,
                     bytes_up=bytes_up, bytes_down=bytes_down, batch_size=int(result.batch_size),
-                    verifier=self.verifier.address)
+                    verifier=self.verifier.address, ahead=bool(block.ahead), ahead_hit=bool(block.ahead_hit),
+                    ahead_prepared=int(block.ahead_prepared), ahead_ms=float(block.ahead_ms))
                 self._record(stats, span)
                 yield Chunk(seq=stats.seq, token_ids=new, accepted=accepted - n_kept, drafted=drafted - n_kept)
             self.result.stop_reason = finish

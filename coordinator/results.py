@@ -77,6 +77,14 @@ class DistributedResult(GenerationResult):
     def bytes_down(self) -> float:
         return _mean([x.bytes_down for x in self.blocks])
 
+    def ahead(self) -> Dict[str, float]:
+        """Drafting ahead over the blocks that followed a block drafted ahead for: how many, hits, hit rate, and
+        per such block the verdicts prepared and the drafter time that took (means)."""
+        blocks = [x for x in self.blocks if x.ahead]
+        hits = sum(1 for x in blocks if x.ahead_hit)
+        return {"blocks": len(blocks), "hits": hits, "hit_rate": hits / len(blocks) if blocks else 0.0,
+                "prepared": _mean([x.ahead_prepared for x in blocks]), "ahead_ms": _mean([x.ahead_ms for x in blocks])}
+
     def to_json(self) -> Dict[str, object]:
         out = super().to_json()
         out.update({
@@ -89,6 +97,7 @@ class DistributedResult(GenerationResult):
             "stage_ms_median": {k: round(v, 3) for k, v in self.stage_ms(_median).items()},
             "draft_compute_ms": round(_mean([x.draft_compute_ms for x in self.blocks]), 3),
             "batch_size": round(_mean([x.batch_size for x in self.blocks]), 3),
+            "ahead": {k: round(v, 3) for k, v in self.ahead().items()},
             "resumes": self.resumes,
             "trace_id": self.trace_id,
             "verification": self.verification.split(":")[0],
@@ -115,6 +124,7 @@ class DistributedResult(GenerationResult):
     def to_summary(self, text: str = "") -> coordinator_pb2.GenerationSummary:
         stages = self.stage_ms()
         rate = self.acceptance_rate
+        ahead = self.ahead()
         theory = self.sprinter_theory()
         sprinter = None if theory is None else coordinator_pb2.SprinterTheory(**theory,
                                                                               labelled=self.sprinter.labelled)
@@ -131,7 +141,8 @@ class DistributedResult(GenerationResult):
             draft_compute_ms=_mean([x.draft_compute_ms for x in self.blocks]),
             batch_size=_mean([x.batch_size for x in self.blocks]), sprinter=sprinter,
             block_drafted=[x.drafted for x in self.blocks], block_accepted=[x.accepted for x in self.blocks],
-            prompt_tokens=self.prompt_tokens)
+            prompt_tokens=self.prompt_tokens, ahead_blocks=ahead["blocks"], ahead_hits=ahead["hits"],
+            ahead_prepared=ahead["prepared"], ahead_ms=ahead["ahead_ms"])
 
 
 def end_block_span(span, stats: BlockStats) -> None:
@@ -144,5 +155,7 @@ def end_block_span(span, stats: BlockStats) -> None:
         "steerspec.network_ms": stats.network_ms, "steerspec.queue_ms": stats.queue_ms,
         "steerspec.verify_ms": stats.verify_ms, "steerspec.overhead_ms": stats.overhead_ms,
         "steerspec.batch_size": stats.batch_size, "steerspec.verifier": stats.verifier,
+        "steerspec.ahead": stats.ahead, "steerspec.ahead_hit": stats.ahead_hit,
+        "steerspec.ahead_prepared": stats.ahead_prepared, "steerspec.ahead_ms": stats.ahead_ms,
     })
     span.end()

@@ -212,7 +212,9 @@ class Coordinator:
             draft_top_k=int(request.draft_top_k or d.get("draft_top_k", 64)),
             mode=request.mode or "speculative", policy=request.policy or str(d.get("policy", "")), steering=bool(request.steering),
             session_id=request.session_id, verification=request.verification or "exact", tree=request.tree,
-            block_kind=request.block_kind, stop=stop).validate()
+            block_kind=request.block_kind, stop=stop, draft_ahead=request.draft_ahead or str(d.get("draft_ahead", "")),
+            ahead_outcomes=int(request.ahead_outcomes or d.get("ahead_outcomes", 0)),
+            ahead_budget_ms=float(request.ahead_budget_ms or d.get("ahead_budget_ms", 0.0))).validate()
 
     async def generate(self, request: SessionRequest, deadline: Optional[float] = None):
         """Async iterator of GenerateResponse for one session (resumes a checkpointed session_id)."""

@@ -9,9 +9,11 @@ After a block leaves (the stream has written it), `Ahead.start` schedules a task
    rollback or path keep the real verdict makes), reseeds a generator from the session's seed and the shadow's
    committed length (`rounds.block_seed`), drafts the shadow's block (`Drafter.draft_many`) and copies what that
    left in the cache after the committed prefix (`FastCachedLM.save`), then puts the cache back as the block left it.
-Between verdicts the task yields to the event loop and waits while any session's real draft is queued or computing,
-so prepared work yields to real requests within one prepared block (on a CPU the passes run on the loop's thread:
-steerspec/serving/compute.py). At every yield the session's cache is exactly as its block left it.
+The task yields to the event loop after every drafter pass (`BlockKind.draft_steps`) and waits while any session's
+real draft is queued, so prepared work yields to real requests within one drafter step (on a CPU every pass runs
+on the loop's thread: steerspec/serving/compute.py). Between the passes of a prepared block the session's cache
+holds part of it; `stop` (on the session's result, or its close) ends the draft and puts the cache back as the
+block left it at once, before the result is applied.
 
 When the result arrives, `take` stops the task and returns the prepared block for the actual verdict, if any: the
 server commits the verdict as always and `use` loads the prepared cache slots (`FastCachedLM.load`), which then
@@ -33,15 +35,18 @@ drafting) do not draft ahead.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Generator, List, Optional, Sequence
 
 from drafter_service.draft_sessions import Drafter, DrafterSession, DraftOutput
 from steerspec.blocks.block_kind import Verdict
 from steerspec.decoding import rounds
 from steerspec.decoding.outcomes import Outcome
 from steerspec.models.kv import CacheSlice, FastCachedLM
+
+log = logging.getLogger(__name__)
 
 DEFAULT_OUTCOMES = 3
 DEFAULT_BUDGET_MS = 60.0
@@ -68,6 +73,20 @@ class Prepared:
 
 
 @dataclass
+class Work:
+    """One session's preparing: its task, what it prepared, the cache as the block in flight left it, and the
+    prepared draft in progress (its cache slots then differ from `base`)."""
+
+    seq: int
+    base: CacheSlice
+    task: Optional[asyncio.Task] = None
+    ready: List[Prepared] = field(default_factory=list)
+    spent_ms: float = 0.0
+    steps: Optional[Generator] = None  # a prepared draft in progress: the cache is dirty
+    stopped: bool = False
+
+
+@dataclass
 class AheadReport:
     """What drafting ahead did for a session's next block (its DraftBlock's ahead fields)."""
 
@@ -84,124 +103,138 @@ class Ahead:
     def __init__(self, drafter: Drafter, config: AheadConfig, busy: Callable[[], bool]) -> None:
         self.drafter = drafter
         self.config = config
-        self.busy = busy  # whether a real draft is queued or computing
-        self.tasks: Dict[str, asyncio.Task] = {}
-        self.ready: Dict[str, List[Prepared]] = {}
-        self.spent_ms: Dict[str, float] = {}
+        self.busy = busy  # whether a real draft is queued
+        self.work: Dict[str, Work] = {}
+        self.pending: Dict[str, Prepared] = {}  # a hit between `take` and `use`
         self.blocks = 0  # blocks answered while drafting ahead
         self.hits = 0
         self.prepared_total = 0
         self.ahead_ms_total = 0.0
         self.stale_steered = 0  # hits drafted with the previous steering vector
-        self.pending: Dict[str, Prepared] = {}  # a hit between `take` and `use`
-        self.seqs: Dict[str, int] = {}  # the block each session prepares for
 
     def wants(self, session: DrafterSession) -> bool:
         """Whether the session drafts ahead (its own setting, else the server's) and can."""
         on = self.config.enabled if session.ahead is None else session.ahead
-        policy = session.policy
-        return bool(on) and isinstance(session.lm, FastCachedLM) and not getattr(policy, "stops_early", False)
-
-    def start(self, session: DrafterSession) -> None:
-        """Start preparing the session's next block for its block in flight (once the block has been sent)."""
-        proposal = session.proposal
-        if proposal is None or session.closed or not self.wants(session) or self.limits(session) == (0, 0.0):
-            return
-        if self.seqs.get(session.session_id) == proposal.seq:  # already preparing for it (an in-stream error reply)
-            return
-        self.stop(session)
-        self.seqs[session.session_id] = proposal.seq
-        self.ready[session.session_id] = []
-        self.spent_ms[session.session_id] = 0.0
-        self.tasks[session.session_id] = asyncio.get_running_loop().create_task(self.prepare(session, proposal.seq))
+        return bool(on) and isinstance(session.lm, FastCachedLM) and \
+            not getattr(session.policy, "stops_early", False)
 
     def limits(self, session: DrafterSession):
-        """(verdicts, milliseconds) the session may prepare per block."""
+        """(verdicts, milliseconds; 0 = no time limit) the session may prepare per block."""
         outcomes = self.config.outcomes if session.ahead_outcomes is None else session.ahead_outcomes
         budget = self.config.budget_ms if session.ahead_budget_ms is None else session.ahead_budget_ms
         return max(int(outcomes), 0), max(float(budget), 0.0)
 
-    async def idle(self) -> None:
-        """Yield to the event loop, then wait while real drafting is queued or computing."""
-        await asyncio.sleep(0)
-        while self.busy():
-            await asyncio.sleep(0.0005)
+    def start(self, session: DrafterSession) -> None:
+        """Start preparing the session's next block for its block in flight (once the block has been sent)."""
+        proposal = session.proposal
+        if proposal is None or session.closed or not self.wants(session) or self.limits(session)[0] == 0:
+            return
+        old = self.work.get(session.session_id)
+        if old is not None and old.seq == proposal.seq:  # already preparing for it (an in-stream error reply)
+            return
+        self.stop(session)
+        if session.lm.length < proposal.committed_length:  # nothing drafted to rank (a block of no drafts)
+            return
+        work = Work(seq=proposal.seq, base=session.lm.save(proposal.committed_length))
+        work.task = asyncio.get_running_loop().create_task(self.guarded(session, work))
+        self.work[session.session_id] = work
 
-    async def prepare(self, session: DrafterSession, seq: int) -> None:
+    async def idle(self, work: Work) -> bool:
+        """Yield to the event loop, then wait while real drafting is queued; False once stopped."""
+        await asyncio.sleep(0)
+        while self.busy() and not work.stopped:
+            await asyncio.sleep(0.0005)
+        return not work.stopped
+
+    async def guarded(self, session: DrafterSession, work: Work) -> None:
+        """`prepare`, a failure logged and the cache put back (the result then drafts as without drafting ahead)."""
+        try:
+            await self.prepare(session, work)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # e.g. out of memory: drafting ahead is an optimisation, never the session's failure
+            log.exception("drafting ahead failed for session %s; it drafts after its results", session.session_id)
+            if not work.stopped:
+                self.stop(session)
+
+    async def prepare(self, session: DrafterSession, work: Work) -> None:
         """Rank the block's verdicts, then prepare the likeliest within the budget (see the module docstring)."""
-        sid = session.session_id
         count, budget_ms = self.limits(session)
-        await self.idle()
-        if not self.current(session, seq):
+        if not await self.idle(work):
             return
         start = time.perf_counter()
         outcomes = session.kind.outcomes(self.drafter, session, count)
-        self.spent_ms[sid] += (time.perf_counter() - start) * 1e3
+        work.spent_ms += (time.perf_counter() - start) * 1e3
         for outcome in outcomes:
-            if budget_ms and self.spent_ms[sid] >= budget_ms:
+            if budget_ms and work.spent_ms >= budget_ms:
                 break
-            await self.idle()
-            if not self.current(session, seq):
+            if not await self.idle(work):
                 return
-            start = time.perf_counter()
-            prepared = self.prepare_one(session, outcome)
-            ms = (time.perf_counter() - start) * 1e3
-            self.spent_ms[sid] += ms
-            prepared.compute_ms = ms
-            self.ready[sid].append(prepared)
+            shadow = self.shadow(session, outcome, work)
+            work.steps = session.kind.draft_steps(self.drafter, shadow)
+            spent = 0.0
+            out = None
+            while out is None:
+                start = time.perf_counter()
+                try:
+                    next(work.steps)
+                except StopIteration as done:
+                    out = done.value
+                finally:
+                    spent += (time.perf_counter() - start) * 1e3
+                if out is None and not await self.idle(work):
+                    return  # `stop` closed the draft and put the cache back
+            work.steps = None
+            work.spent_ms += spent
+            piece = session.lm.save(session.proposal.committed_length)
+            session.lm.load(work.base)
+            work.ready.append(Prepared(outcome, out, piece, spent, session.steering is not None))
 
-    @staticmethod
-    def current(session: DrafterSession, seq: int) -> bool:
-        return not session.closed and session.proposal is not None and session.proposal.seq == seq
-
-    def prepare_one(self, session: DrafterSession, outcome: Outcome) -> Prepared:
-        """The session's next block if the block in flight gets `outcome`; the cache is put back after."""
-        lm = session.lm
-        n = session.proposal.committed_length
-        base = lm.save(n)
+    def shadow(self, session: DrafterSession, outcome: Outcome, work: Work) -> DrafterSession:
+        """A copy of the session with `outcome` committed (its cache rolled back or its path kept, as the real
+        verdict would) and the generator the block after it draws from (`rounds.block_seed`)."""
         shadow = replace(session, committed=list(session.committed),
                          generator=rounds.generator(0, self.drafter.model.device))
-        try:
-            session.kind.feedback(self.drafter, shadow, Verdict(outcome.accepted, outcome.next_token, None,
-                                                                list(outcome.path), None))
-            shadow.proposal = None
-            rounds.seed_block(shadow.generator, session.seed, len(shadow.committed))
-            out = self.drafter.draft_many([shadow])[0]
-            piece = lm.save(n)
-        finally:
-            lm.set_up_bias(None)
-            lm.load(base)
-        return Prepared(outcome, out, piece, 0.0, session.steering is not None)
+        session.kind.feedback(self.drafter, shadow, Verdict(outcome.accepted, outcome.next_token, None,
+                                                            list(outcome.path), None))
+        shadow.proposal = None
+        rounds.seed_block(shadow.generator, session.seed, len(shadow.committed))
+        return shadow
 
-    def stop(self, session: DrafterSession) -> None:
-        """Stop the session's preparing task (its cache is as its block left it at every yield)."""
-        task = self.tasks.pop(session.session_id, None)
-        if task is not None and not task.done():
-            task.cancel()
+    def stop(self, session: DrafterSession) -> Optional[Work]:
+        """Stop the session's preparing now: end a prepared draft in progress and put the cache back as the block
+        in flight left it (before anything else touches it); the work, or None."""
+        work = self.work.pop(session.session_id, None)
+        if work is None:
+            return None
+        work.stopped = True
+        if work.task is not None and not work.task.done():
+            work.task.cancel()
+        if work.steps is not None:
+            work.steps.close()  # its cleanup (the cache's up_bias) runs now
+            work.steps = None
+            if not session.closed:
+                session.lm.load(work.base)
+        return work
 
     def take(self, session: DrafterSession, accepted: int, next_token: int, path: Sequence[int]) -> AheadReport:
         """Stop preparing; the report for the next block, with the prepared block for the actual verdict if any
-        (`report.hit`; `use` then loads it after the verdict is committed)."""
-        sid = session.session_id
-        running = sid in self.tasks
-        self.stop(session)
-        self.seqs.pop(sid, None)
-        prepared = self.ready.pop(sid, [])
-        spent = self.spent_ms.pop(sid, 0.0)
-        report = AheadReport(on=running, prepared=len(prepared), ahead_ms=spent)
-        if not running:
-            return report
+        (`report.hit`; `use` then loads it once the verdict is committed)."""
+        work = self.stop(session)
+        if work is None:
+            return AheadReport()
+        report = AheadReport(on=True, prepared=len(work.ready), ahead_ms=work.spent_ms)
         self.blocks += 1
-        self.prepared_total += len(prepared)
-        self.ahead_ms_total += spent
+        self.prepared_total += len(work.ready)
+        self.ahead_ms_total += work.spent_ms
         want = (int(accepted), int(next_token), tuple(int(node) for node in path))
-        for item in prepared:
+        for item in work.ready:
             o = item.outcome
             if (o.accepted, o.next_token, o.path) == want:
                 self.hits += 1
                 self.stale_steered += int(item.steered_stale)
                 report.hit, report.steered_stale = True, item.steered_stale
-                self.pending[sid] = item
+                self.pending[session.session_id] = item
                 break
         return report
 
@@ -212,11 +245,9 @@ class Ahead:
             return None
         start = time.perf_counter()
         session.lm.load(item.cache)
-        out = replace(item.out, draft_ms=(time.perf_counter() - start) * 1e3)
-        return out
+        return replace(item.out, draft_ms=(time.perf_counter() - start) * 1e3)
 
     def drop(self, session: DrafterSession) -> None:
-        """Forget a closing session's work."""
+        """Forget a session's work (closing, or its last result)."""
         self.stop(session)
-        for table in (self.ready, self.spent_ms, self.pending, self.seqs):
-            table.pop(session.session_id, None)
+        self.pending.pop(session.session_id, None)

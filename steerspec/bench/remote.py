@@ -113,6 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=None, help="verifier batch window (server default)")
     parser.add_argument("--kv-backend", default="auto", choices=["auto", "fast", "hf"],
                         help="the verifier sessions' KV caches (`serve verifier --kv-backend`)")
+    parser.add_argument("--draft-ahead", default="off", choices=("off", "on", "both"),
+                        help="drafting ahead (drafter_service/ahead.py) for the speculative and tree rows: off "
+                             "(default), on, or both (each row also with drafting ahead, `<row>_ahead`, interleaved "
+                             "prompt by prompt)")
+    parser.add_argument("--ahead-outcomes", type=int, default=0,
+                        help="verdicts prepared per block when drafting ahead (0 = the drafter's default)")
+    parser.add_argument("--ahead-budget-ms", type=float, default=0.0,
+                        help="drafter time preparing per block when drafting ahead (0 = the drafter's default; "
+                             "< 0 = no time limit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine baseline")
@@ -163,7 +172,16 @@ def summarize_runs(results: Sequence[Any], wall_s: Optional[float] = None) -> Di
             "stage_ms_p90": {s: round(percentile([getattr(b, f"{s}_ms") for b in blocks], 90), 3) for s in STAGES},
             "batch_size": round(_mean([b.batch_size for b in blocks]), 3),
             "blocks": len(blocks),
+            # the drafter's compute left on the critical path per block (its own report), mean and median
+            "critical_draft_ms": round(_mean([b.draft_compute_ms for b in blocks]), 3),
+            "critical_draft_ms_median": round(_median([b.draft_compute_ms for b in blocks]), 3),
         })
+        ahead = [b for b in blocks if getattr(b, "ahead", False)]
+        if ahead:
+            hits = sum(1 for b in ahead if b.ahead_hit)
+            out["ahead"] = {"blocks": len(ahead), "hits": hits, "hit_rate": round(hits / len(ahead), 4),
+                            "prepared_per_block": round(_mean([b.ahead_prepared for b in ahead]), 3),
+                            "ahead_ms_per_block": round(_mean([b.ahead_ms for b in ahead]), 3)}
     return out
 
 
@@ -207,6 +225,11 @@ class BlockRecord:
     bytes_up: float
     bytes_down: float
     batch_size: float
+    draft_compute_ms: float = 0.0
+    ahead: float = 0.0
+    ahead_hit: float = 0.0
+    ahead_prepared: float = 0.0
+    ahead_ms: float = 0.0
 
 
 @dataclass
@@ -266,17 +289,20 @@ class RayCluster:
                 if span["name"] != "steerspec.block" or span["trace_id"] != trace_id:
                     continue
                 a = span["attributes"]
-                out.append(BlockRecord(**{f: float(a.get(f"steerspec.{f}", 0.0)) for f in BlockRecord.__annotations__}))
+                out.append(BlockRecord(**{f: float(a.get(f"steerspec.{f}", 0.0) or 0.0)
+                                          for f in BlockRecord.__annotations__}))
         return out
 
     async def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, k: int = 4, draft_top_k: int = 64,
                        mode: str = "speculative", steering: bool = False, timeout: Optional[float] = None,
-                       tree: str = "", verification: str = "exact") -> RunRecord:
+                       tree: str = "", verification: str = "exact", draft_ahead: str = "",
+                       ahead_outcomes: int = 0, ahead_budget_ms: float = 0.0) -> RunRecord:
         s = await self.client.acomplete(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k,
                                         draft_top_k=draft_top_k, mode=mode, steering=steering, timeout=timeout,
-                                        tree=tree, verification=verification)
+                                        tree=tree, verification=verification, draft_ahead=draft_ahead,
+                                        ahead_outcomes=ahead_outcomes, ahead_budget_ms=ahead_budget_ms)
         return RunRecord(generated=len(s.token_ids), rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
                          wall_s=s.wall_s, blocks=self._blocks(s.trace_id) if s.trace_id else [],
                          token_ids=list(s.token_ids))
@@ -293,21 +319,44 @@ def _verifier_options(args) -> Dict[str, Any]:
     return options
 
 
-async def _generate(cluster, prompt, i: int, args, mode: str, tree: str = "", verification: str = "exact"):
+async def _generate(cluster, prompt, i: int, args, mode: str, tree: str = "", verification: str = "exact",
+                    ahead: str = "off"):
     """Prompt i's generation in one mode (its seed `--seed` + i, so every mode draws alike)."""
     return await cluster.generate(
         prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed + i, k=args.k, draft_top_k=args.draft_top_k, mode=mode,
-        steering=cluster.steering and mode == "speculative", timeout=600, tree=tree, verification=verification)
+        steering=cluster.steering and mode == "speculative", timeout=600, tree=tree, verification=verification,
+        **ahead_fields(args, ahead))
 
 
-async def _interleaved(cluster, prompts, args, modes: Sequence[Tuple[str, str, str, str]]) -> Dict[str, List[Any]]:
-    """Every mode (key, mode, tree, verification) on prompt 0, then on prompt 1, ..., the order reversed on odd
-    prompts, so the host's drift reaches each mode alike -> the results per key, in prompt order."""
+def ahead_fields(args, ahead: str) -> Dict[str, Any]:
+    """The drafting-ahead fields of a request: on or off, with the bench's budget."""
+    return {"draft_ahead": ahead, "ahead_outcomes": int(getattr(args, "ahead_outcomes", 0)),
+            "ahead_budget_ms": float(getattr(args, "ahead_budget_ms", 0.0))}
+
+
+def ahead_modes(modes: Sequence[Tuple[str, str, str, str]], setting: str) -> List[Tuple[str, str, str, str, str]]:
+    """The rows with drafting ahead as `--draft-ahead` says: off or on for each, or both (`<key>_ahead` beside
+    each speculative row); the verifier alone never drafts."""
+    out = []
+    for key, mode, tree, verification in modes:
+        if mode != "speculative":
+            out.append((key, mode, tree, verification, "off"))
+            continue
+        out.append((key, mode, tree, verification, "on" if setting == "on" else "off"))
+        if setting == "both":
+            out.append((f"{key}_ahead", mode, tree, verification, "on"))
+    return out
+
+
+async def _interleaved(cluster, prompts, args, modes: Sequence[Tuple[str, ...]]) -> Dict[str, List[Any]]:
+    """Every mode (key, mode, tree, verification[, drafting ahead]) on prompt 0, then on prompt 1, ..., the order
+    reversed on odd prompts, so the host's drift reaches each mode alike -> the results per key, in prompt order."""
     results: Dict[str, List[Any]] = {key: [] for key, *_ in modes}
     for i, prompt in enumerate(prompts):
-        for key, mode, tree, verification in (modes if i % 2 == 0 else modes[::-1]):
-            results[key].append(await _generate(cluster, prompt, i, args, mode, tree, verification))
+        for key, mode, tree, verification, *ahead in (modes if i % 2 == 0 else modes[::-1]):
+            results[key].append(await _generate(cluster, prompt, i, args, mode, tree, verification,
+                                                ahead[0] if ahead else "off"))
     return results
 
 
@@ -395,7 +444,8 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
         if args.tree:
             modes += [("tree", "speculative", args.tree, "exact")]
             modes += [("tree_block", "speculative", args.tree, "block")] if block else []
-        runs = await _interleaved(cluster, prompts[:args.prompts], args, modes)
+        runs = await _interleaved(cluster, prompts[:args.prompts], args,
+                                  ahead_modes(modes, getattr(args, "draft_ahead", "off")))
         rates = {key: per_prompt_rates(results) for key, results in runs.items()}  # for any paired comparison later
         row: Dict[str, Any] = {"rtt_ms": rtt}
         row.update({key: {**summarize_runs(runs[key]), "per_prompt_tokens_per_s": rates[key]} for key in runs})
@@ -403,6 +453,10 @@ async def _measure_rtt(cluster_cm, rtt: float, args, prompts, engine) -> Dict[st
         for key in list(runs)[1:]:
             row["speedup" if key == "speculative" else f"{key}_speedup"] = _speedup(row[key], row["autoregressive"])
             row["paired_speedup"][key] = paired_speedup(rates[key], rates["autoregressive"])
+            if key.endswith("_ahead"):  # drafting ahead against the same row without it, prompt by prompt
+                base = key[: -len("_ahead")]
+                row[f"{key}_over_{base}"] = _speedup(row[key], row[base])
+                row["paired_speedup"][f"{key}_over_{base}"] = paired_speedup(rates[key], rates[base])
         if rtt in args.concurrency_rtts:
             conc, alone = {}, {}
             for n in args.concurrency_list:  # the verifier alone at the same load, interleaved: like with like
@@ -481,7 +535,8 @@ def print_report(report: Dict[str, Any]) -> None:
         table.add_column(name, justify=justify)
     engine = report.get("engine")
     for row in report["rows"]:
-        for mode in ("autoregressive", "speculative", "block", "tree", "tree_block"):
+        for mode in ("autoregressive", "speculative", "speculative_ahead", "block", "block_ahead", "tree", "tree_ahead",
+                     "tree_block", "tree_block_ahead"):
             if mode not in row:
                 continue
             m = row[mode]
@@ -489,8 +544,13 @@ def print_report(report: Dict[str, Any]) -> None:
             key = {"autoregressive": None, "speculative": "speedup"}.get(mode, f"{mode}_speedup")
             speedup = 1.0 if key is None else row.get(key)
             paired = row.get("paired_speedup", {}).get(mode)
+            base = mode[: -len("_ahead")] if mode.endswith("_ahead") else mode
             label = {"tree": f"tree {cfg.get('tree')}", "block": "speculative, block verify",
-                     "tree_block": f"tree {cfg.get('tree')}, traversal verify"}.get(mode, mode)
+                     "tree_block": f"tree {cfg.get('tree')}, traversal verify"}.get(base, base)
+            if base != mode:
+                ahead = m.get("ahead", {})
+                label += (f", ahead (hits {ahead.get('hit_rate', 0):.0%}, "
+                          f"critical draft {m.get('critical_draft_ms', 0):.1f} ms)")
             table.add_row(f"{row['rtt_ms']:g}", label, _f(m["tokens_per_s"]), _f(m["block_efficiency"], 2),
                           _f(speedup, 2) + (f" (±{paired['se']:.2f})" if paired and paired["n"] > 1 else ""),
                           _f(m.get("bytes_up"), 0), _f(m.get("bytes_down"), 0),
@@ -632,7 +692,9 @@ def run(args: argparse.Namespace) -> int:
                    "top_p": args.top_p, "concurrency": args.concurrency_list,
                    "concurrency_rtt_ms": args.concurrency_rtts, "jitter_ms": args.jitter_ms,
                    "bandwidth_mbps": args.bandwidth_mbps, "seed": args.seed, "steering": measured["steering"],
-                   "kv_backend": args.kv_backend, "tree": args.tree, "block": bool(getattr(args, "block", False))},
+                   "kv_backend": args.kv_backend, "tree": args.tree, "block": bool(getattr(args, "block", False)),
+                   "draft_ahead": args.draft_ahead, "ahead_outcomes": args.ahead_outcomes,
+                   "ahead_budget_ms": args.ahead_budget_ms},
         "machine": {**host_info(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

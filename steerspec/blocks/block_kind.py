@@ -15,7 +15,7 @@ Sessions are the services' own `DrafterSession` / `VerifierSession`; a kind read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Generator, List, Optional, Sequence, Tuple, Type
 
 import grpc
 
@@ -119,6 +119,13 @@ class BlockKind:
         k = len(session.proposal.draft_ids)
         if result.is_bonus != (result.accepted == k):
             raise invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
+
+    def draft_steps(self, drafter, session) -> Generator[None, None, DraftOutput]:
+        """One session's block as `draft` gives it alone, yielding between its drafter passes (drafting ahead
+        runs it so that real requests go first); between yields the session's cache holds a partial block and
+        global steering hooks are clear. By default the whole block in one step."""
+        return self.draft(drafter, [session])[0]
+        yield  # a generator: `return` above ends it at its first step
 
     def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
         """The `limit` likeliest verdicts of the session's block in flight, by the drafter's own probabilities,

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from steerspec.blocks.block_kind import BlockKind, DraftOutput, JobResult, Verdict, register_kind
 from steerspec.decoding import fastpath, verifying
-from steerspec.decoding.drafting import draft_blocks
+from steerspec.decoding.drafting import draft_block_steps, draft_blocks
 from steerspec.decoding.outcomes import Outcome, chain_outcomes, log_probs
 from steerspec.decoding.engine import DecodeConfig, draft_block, speculative_generate
 from steerspec.decoding.speculative import DraftBlock
@@ -58,6 +58,21 @@ class ChainKind(BlockKind):
             drafter.unsteer()
         drafter.sync()
         return drafter.output(block, start)
+
+    def draft_steps(self, drafter, session):
+        """The block `draft_one` drafts, one forward pass per step (steered through the cache's up_bias, as in a
+        batch, so no global hook stays set across a yield)."""
+        start = time.perf_counter()
+        try:
+            row = drafter.chain_row(session)
+            if fastpath.applies_any([row]):  # the device path samples in one go
+                blocks = draft_blocks([row])
+            else:
+                blocks = yield from draft_block_steps([row])
+        finally:
+            session.lm.set_up_bias(None)
+        drafter.sync()
+        return drafter.output(blocks[0], start)
 
     def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
         """The likeliest (accepted, next token) of the chain in flight, from one drafter pass over

@@ -23,8 +23,8 @@ from steerspec.decoding import rounds
 from steerspec.decoding.engine import DecodeConfig
 from steerspec.decoding.outcomes import Outcome, log_probs, tree_outcomes
 from steerspec.decoding.sampling import SparseDist
-from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_trees, finish_tree, \
-    tree_feed, tree_generate
+from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_tree_steps, draft_trees, \
+    finish_tree, tree_feed, tree_generate
 from steerspec.decoding.trees import TreeShape, cut_to_depth, node_q_rows, prefix, q_parents
 from steerspec.models.batched import can_batch, packed_extend
 from steerspec.models.kv import FastCachedLM
@@ -112,6 +112,23 @@ class TreeKind(BlockKind):
         finally:
             drafter.unsteer()
         drafter.sync()
+        out.draft_ms = (time.perf_counter() - start) * 1e3
+        return out
+
+    def draft_steps(self, drafter, session):
+        """The tree `draft_one` drafts, one forward pass per step (steered through the cache's up_bias, as in a
+        batch, so no global hook stays set across a yield)."""
+        start = time.perf_counter()
+        shape = self.shape(drafter, session)
+        try:
+            row = TreeRow(session.lm, session.committed, shape,
+                          DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k), session.generator)
+            drafter.steer_first_feed(session, row)
+            drafted = yield from draft_tree_steps([row])
+        finally:
+            session.lm.set_up_bias(None)
+        drafter.sync()
+        out = output(shape, drafted[0])
         out.draft_ms = (time.perf_counter() - start) * 1e3
         return out
 

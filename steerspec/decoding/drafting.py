@@ -22,7 +22,7 @@ drafter's final hidden state at the position that produced the token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -104,16 +104,37 @@ def _maybe_stop(row: DraftRow, drafted: _Drafted, step: int, token: Tensor, prob
         drafted.stopped = bool(policy.observe(DraftStep(step, int(token), probs(), hidden)))
 
 
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # yields between forward passes, returns the result
+
+
+def drive(steps: "Steps[T]") -> T:
+    """Run a step generator (`draft_block_steps`, `tree_decoding.draft_tree_steps`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
     """Every row's next block at once; returns one batch-1 DraftBlock per row."""
     if fastpath.applies_any(rows):  # device sampling, one host copy (CUDA); stopping policies stay here
         return fastpath.draft_blocks_split(rows, draft_blocks)
+    return drive(draft_block_steps(rows))
+
+
+def draft_block_steps(rows: Sequence[DraftRow]) -> "Steps[List[DraftBlock]]":
+    """`draft_blocks` on the host, yielding after each forward pass (drafting ahead runs it so that real requests
+    go first: drafter_service/ahead.py); the same draws in the same order."""
     for row in rows:
         row.lm.keep_last_hidden = _wants_hidden(row)
     drafted = [_Drafted([], []) for _ in rows]
     active = [i for i, row in enumerate(rows) if row.k > 0]
     step = 0
     logits = first_logits(rows, active) if active else None
+    if active:
+        yield
     while active:
         tokens = _choose([rows[i] for i in active], logits, step, [drafted[i] for i in active])
         for a, i in enumerate(active):
@@ -125,6 +146,7 @@ def draft_blocks(rows: Sequence[DraftRow]) -> List[DraftBlock]:
         active = [active[a] for a in keep]
         logits = batched_extend([rows[i].lm for i in active], feed)
         step += 1
+        yield
     return [_block(row, d) for row, d in zip(rows, drafted)]
 
 

@@ -172,7 +172,11 @@ class BlockStats:
     bytes_down: int = 0
     batch_size: int = 1
     verifier: str = ""
-    draft_compute_ms: float = 0.0  # the drafter's own compute report
+    draft_compute_ms: float = 0.0  # the drafter's own compute report (drafting ahead: what was left on the critical path)
+    ahead: bool = False  # the block before it was drafted ahead for (drafter_service/ahead.py)
+    ahead_hit: bool = False  # ... and this block was prepared for its actual verdict
+    ahead_prepared: int = 0  # verdicts prepared for the block before it
+    ahead_ms: float = 0.0  # drafter time preparing them took
 
     @property
     def overhead_ms(self) -> float:

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from steerspec.decoding.drafting import Steps, drive
 from steerspec.decoding.engine import DrafterSteering, RoundOut, RoundRecord, check_prompt, run_rounds
 from steerspec.decoding.generation_result import GenerationResult
 from steerspec.decoding.rounds import DecodeConfig, make_generators, seed_block, stream_seed
@@ -135,11 +136,17 @@ def draft_trees(rows: Sequence[TreeRow]) -> List[Drafted]:
     one per depth over every row's nodes there (each row with its own positions and ancestor mask;
     `models.batched.packed_extend`), each row drawing from its own generator in `draft_tree`'s order, so
     each gets what it would alone (to float rounding of the shared pass)."""
+    return drive(draft_tree_steps(rows))
+
+
+def draft_tree_steps(rows: Sequence[TreeRow]) -> "Steps[List[Drafted]]":
+    """`draft_trees`, yielding after each forward pass (drafting ahead: drafter_service/ahead.py)."""
     feed = [i for i, row in enumerate(rows) if row.first_logits is None]
     roots: Dict[int, Tensor] = {}
     if feed:
         outs = packed_extend([rows[i].lm for i in feed], [list(rows[i].committed[rows[i].lm.length:]) for i in feed])
         roots = {i: out.logits[-1] for i, out in zip(feed, outs)}
+        yield
     drafted: List[Drafted] = []
     for i, row in enumerate(rows):
         tokens, q_at = [0] * row.shape.size, {}
@@ -164,6 +171,7 @@ def draft_trees(rows: Sequence[TreeRow]) -> List[Drafted]:
         if not active:
             break
         outs = packed_extend([rows[i].lm for i in active], feeds, None, masks)
+        yield
         for i, level, out in zip(active, levels, outs):
             row, (tokens, fed, q_at) = rows[i], drafted[i]
             fed.extend(level)

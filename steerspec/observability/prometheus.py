@@ -98,6 +98,15 @@ class SteerSpecMetrics:
         self.duration = Histogram("gen_ai_server_request_duration", "Time from the request's arrival to its end",
                                   labels + GENAI_LABELS + ("error_type",), unit="seconds",
                                   buckets=DURATION_BUCKETS, registry=self.registry)
+        self.ahead_blocks = Counter("steerspec_draft_ahead_blocks", "Blocks that followed a block the drafter "
+                                    "drafted ahead for (drafter_service/ahead.py)", labels, registry=self.registry)
+        self.ahead_hits = Counter("steerspec_draft_ahead_hits", "Blocks the drafter had prepared ahead for their "
+                                  "actual verdict (hit rate = hits / blocks)", labels, registry=self.registry)
+        self.ahead_prepared = Counter("steerspec_draft_ahead_prepared", "Verdicts the drafter prepared a next block "
+                                      "for (per block: prepared / blocks)", labels, registry=self.registry)
+        self.critical_draft = Histogram("steerspec_critical_draft_seconds", "Drafter compute left on the critical "
+                                        "path per block (the drafter's own report: after a hit, loading the "
+                                        "prepared block)", labels, buckets=SECONDS_BUCKETS, registry=self.registry)
         self._lock = threading.Lock()
 
     def observe_block(self, stats: BlockStats) -> None:
@@ -113,6 +122,12 @@ class SteerSpecMetrics:
                 self.stage.labels(s, name).observe(value / 1e3)
             self.block_bytes.labels(s, "up").observe(stats.bytes_up)
             self.block_bytes.labels(s, "down").observe(stats.bytes_down)
+            if stats.drafted or stats.ahead:
+                self.critical_draft.labels(s).observe(stats.draft_compute_ms / 1e3)
+            if stats.ahead:
+                self.ahead_blocks.labels(s).inc()
+                self.ahead_hits.labels(s).inc(int(stats.ahead_hit))
+                self.ahead_prepared.labels(s).inc(stats.ahead_prepared)
 
     def observe_request(self, operation: str, model: str, ttft_s: Optional[float], tpot_s: Optional[float],
                         duration_s: float, error_type: str = "") -> None:
