@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from coordinator import ray_app
+from drafter_service import ahead_args
 from coordinator.client import Client
 from coordinator.local import LocalCluster
 from coordinator.ray_setup import import_ray, init_ray
@@ -206,7 +207,7 @@ async def _generate_once(services: Services, deployment: str, args, prompt_ids: 
                 top_p=float(_arg(args, "top_p", 1.0)), seed=int(_arg(args, "seed", 0)), k=int(_arg(args, "k", 4)),
                 draft_top_k=int(_arg(args, "draft_top_k", 64)), mode=_arg(args, "mode", "speculative"),
                 policy=str(_arg(args, "policy", "fixed")), verification=str(_arg(args, "verification", "exact")),
-                tree=str(_arg(args, "tree", None) or ""),
+                tree=str(_arg(args, "tree", None) or ""), **ahead_args.request_fields(args),
                 steering=bool(running.steering) if running else False,
                 timeout=float(_arg(args, "timeout", 600.0)))
         wall = time.perf_counter() - start

@@ -34,6 +34,7 @@ from coordinator import server as coordinator_server
 from coordinator.cli import coordinator_kwargs, coordinator_model, policy_defaults
 from coordinator.model_check import FOLLOW
 from coordinator.ray_setup import EDGE, VERIFIER, import_ray, init_ray
+from drafter_service import ahead_args
 from drafter_service import server as drafter_server
 from drafter_service.cli import load_drafter
 from steerspec.errors import UsageError
@@ -480,6 +481,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="concurrent generations per caller identity (RESOURCE_EXHAUSTED beyond; 0 = no limit)")
     parser.add_argument("--detached", action="store_true", help="named detached actors; exit once serving")
 
+    ahead_args.add_arguments(parser, serving=True)  # the drafter actors' defaults
     security.add_arguments(parser)  # handed to every actor as STEERSPEC_* variables
     args = parser.parse_args(argv)
 
@@ -489,6 +491,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.sprinter_head:  # checked here, and absolute: the drafter actors' working directory is not ours
             head = str(Path(args.sprinter_head).resolve())
             load_sprinter_head(head)
+        ahead_args.check(args)
         if args.max_sessions_per_identity < 0:
             raise UsageError(f"--max-sessions-per-identity must be >= 0 (0 = no limit), got "
                              f"{args.max_sessions_per_identity}")
@@ -504,7 +507,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtype=args.dtype, verifier_gpus=args.verifier_gpus, drafter_gpus=args.drafter_gpus, rtt_ms=link.rtt_ms,
         jitter_ms=link.jitter_ms, bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed,
         device_map=args.device_map, steering_head=args.steering_head, detached=args.detached, policy=args.policy,
-        allow_lossy=args.allow_lossy, drafter_options={"sprinter_head": head} if head else None,
+        allow_lossy=args.allow_lossy,
+        drafter_options={**({"sprinter_head": head} if head else {}), **ahead_args.drafter_options(args)} or None,
         max_sessions_per_identity=args.max_sessions_per_identity)
     print(f"verifier    {deployment.verifier_target}", flush=True)
     for d, c, h in zip(deployment.drafter_targets, deployment.coordinator_targets, deployment.coordinator_http):

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Generator, List, Optional, Sequence
 
+from drafter_service.ahead_args import DEFAULT_BUDGET_MS, DEFAULT_ENABLED, DEFAULT_OUTCOMES
 from drafter_service.draft_sessions import Drafter, DrafterSession, DraftOutput
 from steerspec.blocks.block_kind import Verdict
 from steerspec.decoding import rounds
@@ -48,15 +49,13 @@ from steerspec.models.kv import CacheSlice, FastCachedLM
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OUTCOMES = 3
-DEFAULT_BUDGET_MS = 60.0
 
 
 @dataclass(frozen=True)
 class AheadConfig:
     """Whether sessions draft ahead by default, and the budget per block in flight."""
 
-    enabled: bool = True
+    enabled: bool = DEFAULT_ENABLED
     outcomes: int = DEFAULT_OUTCOMES  # verdicts prepared per block at most
     budget_ms: float = DEFAULT_BUDGET_MS  # drafter time spent preparing per block (0: no limit but `outcomes`)
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from drafter_service import ahead_args
 from drafter_service.server import DrafterConfig, serve
 from steerspec.errors import UsageError
 from steerspec.models.checkpoints import resolve_model_dir
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
+    ahead_args.add_arguments(parser, serving=True)
     registration.add_arguments(parser)
     security.add_arguments(parser)
     logs.add_arguments(parser)
@@ -82,7 +84,7 @@ async def _main(args) -> int:
     model, hooks = load_drafter(args.model, args.dtype, args.device, args.steering)
     config = DrafterConfig(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s,
                            model_name=str(args.model), batch_window_ms=args.draft_batch_window_ms,
-                           policy=args.policy, sprinter_head=args.sprinter_head)
+                           policy=args.policy, sprinter_head=args.sprinter_head, **ahead_args.drafter_options(args))
     metrics = service_metrics.start("drafter", args.metrics_port, args.metrics_host or args.host)
     running, servicer = await serve(model, config, host=args.host, port=args.port, hooks=hooks,
                                     max_message_bytes=int(args.max_message_mb * 2**20))
@@ -108,6 +110,7 @@ def run(args) -> int:
     if not args.draft_batch_window_ms >= 0:
         raise UsageError(f"--draft-batch-window-ms must be >= 0, got {args.draft_batch_window_ms}")
     registration.check_args(args)
+    ahead_args.check(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     return asyncio.run(_main(args))

@@ -21,7 +21,8 @@ from typing import Dict, Optional
 import grpc
 import torch
 
-from drafter_service.ahead import DEFAULT_BUDGET_MS, DEFAULT_OUTCOMES, Ahead, AheadConfig, AheadReport
+from drafter_service.ahead import Ahead, AheadConfig, AheadReport
+from drafter_service.ahead_args import DEFAULT_BUDGET_MS, DEFAULT_ENABLED, DEFAULT_OUTCOMES
 from drafter_service.draft_batcher import DraftBatcher
 from drafter_service.draft_sessions import (
     Drafter,
@@ -60,7 +61,7 @@ class DrafterConfig:
     batch_window_ms: float = 1.0  # how long a draft request waits for other sessions' (0 = take what is there)
     sprinter_head: Optional[str] = None  # SPRINTER head directory (default: MODEL/sprinter) for lossy sessions
     identity: Optional[ModelIdentity] = None  # what it serves (default: described from the model and its steering)
-    draft_ahead: bool = True  # sessions that do not say prepare their next block while one is verified (ahead.py)
+    draft_ahead: bool = DEFAULT_ENABLED  # sessions that do not say prepare their next block while one is verified (ahead.py)
     ahead_outcomes: int = DEFAULT_OUTCOMES  # verdicts prepared per block by default
     ahead_budget_ms: float = DEFAULT_BUDGET_MS  # drafter time preparing per block by default (0 = no time limit)
 

@@ -23,6 +23,7 @@ from typing import List, Tuple
 
 import torch
 
+from drafter_service import ahead_args
 from steerspec.blocks.block_mode import BlockMode, parse_mode, tree_policies
 from steerspec.blocks.kinds import kind_of
 from steerspec.decoding.engine import DecodeConfig
@@ -122,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grpc transport: use this running coordinator instead of deploying the services "
                              "(with --tls-ca / --token-file when it requires TLS or a token)")
 
+    ahead_args.add_arguments(parser, serving=False)
     security.add_arguments(parser, serving=False)
 
 
@@ -160,6 +162,10 @@ def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
     if getattr(args, "transport", None) == "inproc" and (link.enabled or link.jitter_ms):
         raise UsageError("--rtt-ms, --jitter-ms and --bandwidth-mbps emulate the link between the services: "
                          "use them with --transport grpc")
+    ahead_args.check(args)
+    if getattr(args, "transport", None) == "inproc" and getattr(args, "draft_ahead", None) == "on":
+        raise UsageError("--draft-ahead on needs the drafter service, which drafts while a block is away: use it with "
+                         "--transport grpc (in process the drafter has no idle time to fill)")
     return params
 
 
