@@ -77,6 +77,10 @@ class DistributedResult(GenerationResult):
     def bytes_down(self) -> float:
         return _mean([x.bytes_down for x in self.blocks])
 
+    def critical_draft_ms(self) -> float:
+        """Mean drafter compute left on the critical path per block (the drafter's own report)."""
+        return _mean([x.draft_compute_ms for x in self.blocks])
+
     def ahead(self) -> Dict[str, float]:
         """Drafting ahead over the blocks that followed a block drafted ahead for: how many, hits, hit rate, and
         per such block the verdicts prepared and the drafter time that took (means)."""
@@ -113,6 +117,11 @@ class DistributedResult(GenerationResult):
 
     def summary(self) -> str:
         text = super().summary()
+        ahead = self.ahead()
+        if ahead["blocks"]:
+            text += (f"\ndrafting ahead: {ahead['hits']}/{ahead['blocks']} blocks hit ({ahead['hit_rate']:.0%}), "
+                     f"{ahead['prepared']:.1f} verdicts prepared per block in {ahead['ahead_ms']:.1f} ms; drafting "
+                     f"left on the critical path {self.critical_draft_ms():.1f} ms per block")
         if self.lossy:
             text += (f"\nLOSSY ({self.verification}): tokens the drafter's classifier kept were committed without "
                      f"the verifier ({self.rounds} verifier calls for {self.generated - self.restored} tokens)")

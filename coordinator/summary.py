@@ -36,6 +36,15 @@ class SummaryResult(DistributedResult):
     def sprinter_theory(self):
         return self.wire_summary.sprinter
 
+    def critical_draft_ms(self) -> float:
+        return float(self.wire_summary.draft_compute_ms)
+
+    def ahead(self):
+        s = self.wire_summary
+        blocks = int(s.ahead_blocks)
+        return {"blocks": blocks, "hits": int(s.ahead_hits), "hit_rate": s.ahead_hits / blocks if blocks else 0.0,
+                "prepared": float(s.ahead_prepared), "ahead_ms": float(s.ahead_ms)}
+
     def to_json(self):
         out = super().to_json()
         out.pop("stage_ms_median", None)
