@@ -27,7 +27,9 @@ result; a prepared block is drafted with the vector of the block in flight (`ste
 still exact, since the verifier tests it against the q it was drawn from; with SD² a seed fixes the output for a
 given setting of drafting ahead.
 
-Sessions whose cache is not the lean one (`FastCachedLM`: a GPU's graphed slot, transformers' cache), whose kind
+A drafter whose passes run on a compute thread (a GPU: steerspec/serving/compute.py) does not draft ahead, since
+prepared passes run on the event loop's thread and must not overlap real ones. Sessions whose cache is not the
+lean one (`FastCachedLM`: a GPU's graphed slot, transformers' cache), whose kind
 ranks no verdicts (`BlockKind.outcomes` []: SPRINTER runs) or whose policy stops blocks early (it learns while
 drafting) do not draft ahead.
 """
@@ -99,9 +101,10 @@ class AheadReport:
 class Ahead:
     """The drafter service's drafting ahead: one task per session with a block in flight."""
 
-    def __init__(self, drafter: Drafter, config: AheadConfig, busy: Callable[[], bool]) -> None:
+    def __init__(self, drafter: Drafter, config: AheadConfig, busy: Callable[[], bool], inline: bool = True) -> None:
         self.drafter = drafter
         self.config = config
+        self.inline = inline  # the drafter's passes run on the event loop's thread (a CPU), as prepared ones do
         self.busy = busy  # whether a real draft is queued
         self.work: Dict[str, Work] = {}
         self.pending: Dict[str, Prepared] = {}  # a hit between `take` and `use`
@@ -114,7 +117,7 @@ class Ahead:
     def wants(self, session: DrafterSession) -> bool:
         """Whether the session drafts ahead (its own setting, else the server's) and can."""
         on = self.config.enabled if session.ahead is None else session.ahead
-        return bool(on) and isinstance(session.lm, FastCachedLM) and \
+        return bool(on) and self.inline and isinstance(session.lm, FastCachedLM) and \
             not getattr(session.policy, "stops_early", False)
 
     def limits(self, session: DrafterSession):

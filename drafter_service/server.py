@@ -110,7 +110,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                     max_batch=config.max_sessions, inline=inline_compute(model))
         self.ahead = Ahead(self.drafter, AheadConfig(config.draft_ahead, config.ahead_outcomes,
                                                      config.ahead_budget_ms),
-                           busy=lambda: self.batcher.queue_depth > 0)
+                           busy=lambda: self.batcher.queue_depth > 0, inline=self.batcher.inline)
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
