@@ -118,10 +118,10 @@ class DistributedResult(GenerationResult):
     def summary(self) -> str:
         text = super().summary()
         ahead = self.ahead()
-        if ahead["blocks"]:
-            text += (f"\ndrafting ahead: {ahead['hits']}/{ahead['blocks']} blocks hit ({ahead['hit_rate']:.0%}), "
-                     f"{ahead['prepared']:.1f} verdicts prepared per block in {ahead['ahead_ms']:.1f} ms; drafting "
-                     f"left on the critical path {self.critical_draft_ms():.1f} ms per block")
+        if ahead["blocks"]:  # before the summary line, which stays last for exact sessions
+            text = (f"drafting ahead: {ahead['hits']}/{ahead['blocks']} blocks hit ({ahead['hit_rate']:.0%}), "
+                    f"{ahead['prepared']:.1f} verdicts prepared per block in {ahead['ahead_ms']:.1f} ms; drafting "
+                    f"left on the critical path {self.critical_draft_ms():.1f} ms per block\n") + text
         if self.lossy:
             text += (f"\nLOSSY ({self.verification}): tokens the drafter's classifier kept were committed without "
                      f"the verifier ({self.rounds} verifier calls for {self.generated - self.restored} tokens)")

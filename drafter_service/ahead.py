@@ -4,25 +4,26 @@ for the verdicts it finds likeliest, in idle time, so that a hit sends the next 
 After a block leaves (the stream has written it), `Ahead.start` schedules a task on the event loop that
 1. ranks the block's verdicts (`BlockKind.outcomes`: the accepted drafts, a tree's path, and the next token after
    them, by the drafter's own probabilities, from one idle pass), then
-2. per verdict, likeliest first, within the budget (`AheadConfig.outcomes` verdicts and `budget_ms` of drafter time
-   per block): commits the verdict to a shadow of the session (`BlockKind.feedback` on a copy: the same cache
-   rollback or path keep the real verdict makes), reseeds a generator from the session's seed and the shadow's
-   committed length (`rounds.block_seed`), drafts the shadow's block (`Drafter.draft_many`) and copies what that
-   left in the cache after the committed prefix (`FastCachedLM.save`), then puts the cache back as the block left it.
-The task yields to the event loop after every drafter pass (`BlockKind.draft_steps`) and waits while any session's
-real draft is queued, so prepared work yields to real requests within one drafter step (on a CPU every pass runs
-on the loop's thread: steerspec/serving/compute.py). Between the passes of a prepared block the session's cache
-holds part of it; `stop` (on the session's result, or its close) ends the draft and puts the cache back as the
-block left it at once, before the result is applied.
+2. prepares the likeliest `AheadConfig.outcomes` together: per verdict a fork of the session's cache
+   (`FastCachedLM.fork`) and a shadow session with the verdict committed to it (`BlockKind.feedback` on the fork:
+   the same rollback or path keep the real verdict makes) and its generator seeded from the session's seed and the
+   shadow's committed length (`rounds.block_seed`); then the kind drafts every shadow's block in one batch
+   (`BlockKind.draft_steps`: one batched pass per draft step, as for sessions drafted together); past `budget_ms`
+   of drafter time (a loaded host) it stops and prepares nothing for this block.
+The task yields to the event loop after every drafter pass and waits while any session's real draft is queued, so
+prepared work yields to real requests within one drafter step (on a CPU every pass runs on the loop's thread:
+steerspec/serving/compute.py). The session's own cache is never touched by prepared work (the ranking pass puts it
+back before yielding), so `stop` only ends the task.
 
 When the result arrives, `take` stops the task and returns the prepared block for the actual verdict, if any: the
-server commits the verdict as always and `use` loads the prepared cache slots (`FastCachedLM.load`), which then
-hold the committed prefix and the prepared block's drafts exactly as drafting after the result would have left
-them. Otherwise it drafts as without drafting ahead.
+server commits the verdict as always and `use` copies the fork's slots after the committed prefix into the
+session's cache (`FastCachedLM.save` / `load`), which then holds the committed prefix and the prepared block's
+drafts exactly as drafting after the result would have left them. Otherwise it drafts as without drafting ahead.
 
 Exactness: a prepared block is drawn from the drafter's distribution given exactly the committed prefix, with the
 generator drafting after the result would have used, and carries the q it was drawn from. Unsteered, a seed gives
-the same tokens with drafting ahead on or off. Steered (SD²), the next block's steering vector comes with the
+the same tokens with drafting ahead on or off (to the float rounding of batched passes, as for sessions drafted
+together: ~1e-6 in the logits). Steered (SD²), the next block's steering vector comes with the
 result; a prepared block is drafted with the vector of the block in flight (`steered_stale` counts them), and is
 still exact, since the verifier tests it against the q it was drawn from; with SD² a seed fixes the output for a
 given setting of drafting ahead.
@@ -47,7 +48,7 @@ from drafter_service.draft_sessions import Drafter, DrafterSession, DraftOutput
 from steerspec.blocks.block_kind import Verdict
 from steerspec.decoding import rounds
 from steerspec.decoding.outcomes import Outcome
-from steerspec.models.kv import CacheSlice, FastCachedLM
+from steerspec.models.kv import FastCachedLM
 
 log = logging.getLogger(__name__)
 
@@ -64,26 +65,23 @@ class AheadConfig:
 
 @dataclass
 class Prepared:
-    """A block drafted ahead for one verdict of the block in flight."""
+    """A block drafted ahead for one verdict of the block in flight, in its own fork of the session's cache."""
 
     outcome: Outcome
     out: DraftOutput
-    cache: CacheSlice
-    compute_ms: float
+    cache: FastCachedLM
     steered_stale: bool  # drafted with the vector of the block in flight (SD²)
 
 
 @dataclass
 class Work:
-    """One session's preparing: its task, what it prepared, the cache as the block in flight left it, and the
-    prepared draft in progress (its cache slots then differ from `base`)."""
+    """One session's preparing: its task, the block it prepares for, what it prepared and the time it took."""
 
     seq: int
-    base: CacheSlice
     task: Optional[asyncio.Task] = None
     ready: List[Prepared] = field(default_factory=list)
     spent_ms: float = 0.0
-    steps: Optional[Generator] = None  # a prepared draft in progress: the cache is dirty
+    steps: Optional[Generator] = None  # the batched draft in progress
     stopped: bool = False
 
 
@@ -137,7 +135,7 @@ class Ahead:
         self.stop(session)
         if session.lm.length < proposal.committed_length:  # nothing drafted to rank (a block of no drafts)
             return
-        work = Work(seq=proposal.seq, base=session.lm.save(proposal.committed_length))
+        work = Work(seq=proposal.seq)
         work.task = asyncio.get_running_loop().create_task(self.guarded(session, work))
         self.work[session.session_id] = work
 
@@ -149,53 +147,54 @@ class Ahead:
         return not work.stopped
 
     async def guarded(self, session: DrafterSession, work: Work) -> None:
-        """`prepare`, a failure logged and the cache put back (the result then drafts as without drafting ahead)."""
+        """`prepare`, a failure logged (the result then drafts as without drafting ahead)."""
         try:
             await self.prepare(session, work)
         except asyncio.CancelledError:
             raise
         except Exception:  # e.g. out of memory: drafting ahead is an optimisation, never the session's failure
             log.exception("drafting ahead failed for session %s; it drafts after its results", session.session_id)
-            if not work.stopped:
-                self.stop(session)
+            work.ready.clear()
 
     async def prepare(self, session: DrafterSession, work: Work) -> None:
-        """Rank the block's verdicts, then prepare the likeliest within the budget (see the module docstring)."""
+        """Rank the block's verdicts, then draft the next block for the likeliest, batched (the module docstring)."""
         count, budget_ms = self.limits(session)
         if not await self.idle(work):
             return
         start = time.perf_counter()
         outcomes = session.kind.outcomes(self.drafter, session, count)
+        shadows = [self.shadow(session, outcome) for outcome in outcomes]
         work.spent_ms += (time.perf_counter() - start) * 1e3
-        for outcome in outcomes:
-            if budget_ms and work.spent_ms >= budget_ms:
+        if not shadows or (budget_ms and work.spent_ms >= budget_ms):
+            return
+        if not await self.idle(work):
+            return
+        work.steps = session.kind.draft_steps(self.drafter, shadows)
+        while True:
+            start = time.perf_counter()
+            try:
+                next(work.steps)
+                outs = None
+            except StopIteration as done:
+                outs = done.value
+            finally:
+                work.spent_ms += (time.perf_counter() - start) * 1e3
+            if outs is not None:
                 break
-            if not await self.idle(work):
+            if budget_ms and work.spent_ms >= budget_ms:  # a loaded host: give the time back, prepare nothing
+                work.steps.close()
+                work.steps = None
                 return
-            shadow = self.shadow(session, outcome, work)
-            work.steps = session.kind.draft_steps(self.drafter, shadow)
-            spent = 0.0
-            out = None
-            while out is None:
-                start = time.perf_counter()
-                try:
-                    next(work.steps)
-                except StopIteration as done:
-                    out = done.value
-                finally:
-                    spent += (time.perf_counter() - start) * 1e3
-                if out is None and not await self.idle(work):
-                    return  # `stop` closed the draft and put the cache back
-            work.steps = None
-            work.spent_ms += spent
-            piece = session.lm.save(session.proposal.committed_length)
-            session.lm.load(work.base)
-            work.ready.append(Prepared(outcome, out, piece, spent, session.steering is not None))
+            if not await self.idle(work):
+                return  # `stop` closed the draft
+        work.steps = None
+        stale = session.steering is not None
+        work.ready = [Prepared(o, out, shadow.lm, stale) for o, out, shadow in zip(outcomes, outs, shadows)]
 
-    def shadow(self, session: DrafterSession, outcome: Outcome, work: Work) -> DrafterSession:
-        """A copy of the session with `outcome` committed (its cache rolled back or its path kept, as the real
-        verdict would) and the generator the block after it draws from (`rounds.block_seed`)."""
-        shadow = replace(session, committed=list(session.committed),
+    def shadow(self, session: DrafterSession, outcome: Outcome) -> DrafterSession:
+        """A copy of the session in a fork of its cache, with `outcome` committed (the fork rolled back or its path
+        kept, as the real verdict would) and the generator the block after it draws from (`rounds.block_seed`)."""
+        shadow = replace(session, lm=session.lm.fork(), committed=list(session.committed),
                          generator=rounds.generator(0, self.drafter.model.device))
         session.kind.feedback(self.drafter, shadow, Verdict(outcome.accepted, outcome.next_token, None,
                                                             list(outcome.path), None))
@@ -204,8 +203,7 @@ class Ahead:
         return shadow
 
     def stop(self, session: DrafterSession) -> Optional[Work]:
-        """Stop the session's preparing now: end a prepared draft in progress and put the cache back as the block
-        in flight left it (before anything else touches it); the work, or None."""
+        """Stop the session's preparing now (its own cache is untouched by it); the work, or None."""
         work = self.work.pop(session.session_id, None)
         if work is None:
             return None
@@ -213,10 +211,8 @@ class Ahead:
         if work.task is not None and not work.task.done():
             work.task.cancel()
         if work.steps is not None:
-            work.steps.close()  # its cleanup (the cache's up_bias) runs now
+            work.steps.close()  # its cleanup (the forks' up_bias) runs now
             work.steps = None
-            if not session.closed:
-                session.lm.load(work.base)
         return work
 
     def take(self, session: DrafterSession, accepted: int, next_token: int, path: Sequence[int]) -> AheadReport:
@@ -246,7 +242,7 @@ class Ahead:
         if item is None:
             return None
         start = time.perf_counter()
-        session.lm.load(item.cache)
+        session.lm.load(item.cache.save(len(session.committed) - 1 - item.outcome.accepted))
         return replace(item.out, draft_ms=(time.perf_counter() - start) * 1e3)
 
     def drop(self, session: DrafterSession) -> None:

@@ -9,8 +9,8 @@ from typing import Dict, Optional
 from steerspec.errors import UsageError
 
 DEFAULT_ENABLED = True  # drafting ahead pays on the 2-core CPU at RTT >= 50 ms (docs/results/draft-ahead.md)
-DEFAULT_OUTCOMES = 3  # verdicts prepared per block
-DEFAULT_BUDGET_MS = 60.0  # drafter time preparing per block
+DEFAULT_OUTCOMES = 8  # verdicts prepared per block (drafted together, one batched pass per step)
+DEFAULT_BUDGET_MS = 60.0  # drafter time preparing per block: past it (a loaded host) nothing is prepared
 MAX_OUTCOMES = 64
 
 

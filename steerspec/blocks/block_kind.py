@@ -120,11 +120,11 @@ class BlockKind:
         if result.is_bonus != (result.accepted == k):
             raise invalid(f"result.is_bonus={result.is_bonus} contradicts accepted {result.accepted} of {k}")
 
-    def draft_steps(self, drafter, session) -> Generator[None, None, DraftOutput]:
-        """One session's block as `draft` gives it alone, yielding between its drafter passes (drafting ahead
-        runs it so that real requests go first); between yields the session's cache holds a partial block and
-        global steering hooks are clear. By default the whole block in one step."""
-        return self.draft(drafter, [session])[0]
+    def draft_steps(self, drafter, sessions: Sequence) -> Generator[None, None, List[DraftOutput]]:
+        """`draft` of a batch of sessions, yielding between its drafter passes (drafting ahead runs it so that real
+        requests go first); between yields the caches hold partial blocks and global steering hooks are clear. By
+        default the whole batch in one step."""
+        return self.draft(drafter, sessions)
         yield  # a generator: `return` above ends it at its first step
 
     def outcomes(self, drafter, session, limit: int) -> List[Outcome]:

@@ -59,20 +59,22 @@ class ChainKind(BlockKind):
         drafter.sync()
         return drafter.output(block, start)
 
-    def draft_steps(self, drafter, session):
-        """The block `draft_one` drafts, one forward pass per step (steered through the cache's up_bias, as in a
-        batch, so no global hook stays set across a yield)."""
+    def draft_steps(self, drafter, sessions):
+        """The blocks `draft` drafts, one batched forward pass per step (steered through each cache's up_bias, so
+        no global hook stays set across a yield)."""
         start = time.perf_counter()
         try:
-            row = drafter.chain_row(session)
-            if fastpath.applies_any([row]):  # the device path samples in one go
-                blocks = draft_blocks([row])
+            rows = [drafter.chain_row(session) for session in sessions]
+            if fastpath.applies_any(rows) or not can_batch([s.lm for s in sessions]):
+                blocks = draft_blocks(rows) if can_batch([s.lm for s in sessions]) else \
+                    [draft_blocks([row])[0] for row in rows]
             else:
-                blocks = yield from draft_block_steps([row])
+                blocks = yield from draft_block_steps(rows)
         finally:
-            session.lm.set_up_bias(None)
+            for session in sessions:
+                session.lm.set_up_bias(None)
         drafter.sync()
-        return drafter.output(blocks[0], start)
+        return [drafter.output(block, start, len(sessions)) for block in blocks]
 
     def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
         """The likeliest (accepted, next token) of the chain in flight, from one drafter pass over

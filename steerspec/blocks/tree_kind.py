@@ -115,22 +115,31 @@ class TreeKind(BlockKind):
         out.draft_ms = (time.perf_counter() - start) * 1e3
         return out
 
-    def draft_steps(self, drafter, session):
-        """The tree `draft_one` drafts, one forward pass per step (steered through the cache's up_bias, as in a
-        batch, so no global hook stays set across a yield)."""
+    def draft_steps(self, drafter, sessions):
+        """The trees `draft` drafts, one packed forward pass per step (steered through each cache's up_bias, so no
+        global hook stays set across a yield)."""
+        if not can_batch([s.lm for s in sessions]):
+            return self.draft(drafter, sessions)
         start = time.perf_counter()
-        shape = self.shape(drafter, session)
+        rows, shapes = [], []
         try:
-            row = TreeRow(session.lm, session.committed, shape,
-                          DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k), session.generator)
-            drafter.steer_first_feed(session, row)
-            drafted = yield from draft_tree_steps([row])
+            for session in sessions:
+                shape = self.shape(drafter, session)
+                row = TreeRow(session.lm, session.committed, shape,
+                              DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k),
+                              session.generator)
+                drafter.steer_first_feed(session, row)
+                rows.append(row)
+                shapes.append(shape)
+            drafted = yield from draft_tree_steps(rows)
         finally:
-            session.lm.set_up_bias(None)
+            for session in sessions:
+                session.lm.set_up_bias(None)
         drafter.sync()
-        out = output(shape, drafted[0])
-        out.draft_ms = (time.perf_counter() - start) * 1e3
-        return out
+        outs = [output(shape, d, len(sessions)) for shape, d in zip(shapes, drafted)]
+        for out in outs:
+            out.draft_ms = (time.perf_counter() - start) * 1e3
+        return outs
 
     @staticmethod
     def shape(drafter, session) -> TreeShape:

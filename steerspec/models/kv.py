@@ -16,6 +16,7 @@ After any rollback the next-token logits equal a fresh full forward over the kep
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -529,6 +530,24 @@ class FastCachedLM(CachedLM):
         if length < 0 or length > self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
         self.length = length
+
+    @torch.inference_mode()
+    def fork(self, spare: int = 64) -> "FastCachedLM":
+        """A second cache over the same model and layouts holding a copy of this one's slots (room for `spare` more):
+        drafting ahead drafts a block per verdict in forks, batched, leaving this cache as it is. Cheap for a small
+        drafter (a 2-layer drafter keeps a few KB per token)."""
+        twin = copy.copy(self)
+        twin._keys, twin._values = [], []
+        for keys, values in zip(self._keys, self._values):
+            twin._keys.append(torch.empty_like(keys))
+            twin._values.append(torch.empty_like(values))
+            twin._keys[-1][:, :, : self.length] = keys[:, :, : self.length]
+            twin._values[-1][:, :, : self.length] = values[:, :, : self.length]
+        twin._grow(self.length + spare)  # doubles, keeping the slots, where `spare` does not fit
+        twin.up_bias = None
+        twin.keep_last_hidden = False
+        twin.last_hidden = None
+        return twin
 
     @torch.inference_mode()
     def save(self, start: int) -> CacheSlice:
