@@ -8,7 +8,7 @@ from typing import Dict, Optional
 
 from steerspec.errors import UsageError
 
-DEFAULT_ENABLED = True  # drafting ahead pays on the 2-core CPU at RTT >= 50 ms (docs/results/draft-ahead.md)
+DEFAULT_ENABLED = False  # off until it pays: on the shared 2-core CPU it did not (docs/results/draft-ahead.md)
 DEFAULT_OUTCOMES = 8  # verdicts prepared per block (drafted together, one batched pass per step)
 DEFAULT_BUDGET_MS = 60.0  # drafter time preparing per block: past it (a loaded host) nothing is prepared
 MAX_OUTCOMES = 64
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser, serving: bool) -> None:
     parser.add_argument("--draft-ahead", choices=("on", "off"), default=None,
                         help=f"drafting ahead for {where}: while a block is verified, the drafter prepares the next "
                              "block for its likeliest verdicts in idle time (exact either way; a seed gives the same "
-                             f"tokens on or off, unsteered){' (default: on)' if serving and DEFAULT_ENABLED else ''}")
+                             f"tokens on or off, unsteered){' (default: ' + ('on' if DEFAULT_ENABLED else 'off') + ')' if serving else ''}")
     parser.add_argument("--ahead-outcomes", type=int, default=None, metavar="N",
                         help=f"verdicts prepared per block (default: {DEFAULT_OUTCOMES})")
     parser.add_argument("--ahead-budget-ms", type=float, default=None, metavar="MS",
