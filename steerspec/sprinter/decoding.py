@@ -187,11 +187,13 @@ def sprinter_generate(
     prompt = check_prompt(prompt_ids, config)
     scorer = SprinterScorer(head, drafter)
     g_draft, g_verify = make_generators(config.seed, drafter.device, verifier.device)
+    base_seed = rounds.stream_seed(config.seed)
     result = SprinterResult(token_ids=[], prompt_tokens=len(prompt), threshold=threshold, max_run=max_run, lam=lam)
     kept_runs: List[List[bool]] = []
 
     def one_round(committed: List[int], room: int, layers: Optional[Sequence[int]]) -> RoundOut:
         t0 = time.perf_counter()
+        rounds.seed_block(g_draft, base_seed, len(committed))  # a block's draws: the seed and the prefix only
         block, kept = draft_run(drafter, committed, rounds.block_k(max_run, room), config, g_draft, scorer, threshold)
         t1 = time.perf_counter()
         accepted, next_token, probs, logits, hidden = verify_run(verifier, committed[-1], block, config,
