@@ -16,7 +16,7 @@ tests/models/test_invariant.py ("Defeating Nondeterminism in LLM Inference", 202
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from steerspec.models.layouts import linear as kernel_linear
 
-DEFAULT_ROWS = 16  # the row bucket: every linear product has this many rows
+DEFAULT_ROWS = 8  # the row bucket: every linear product has this many rows (a 5-6 row verify pass: one product)
 KEY_BLOCK = 32  # keys per attention block
 QUERY_ROWS = 16  # query rows per attention product
 
@@ -48,113 +48,120 @@ def bucket_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) 
     return out if out.shape[0] == n else out[:n]
 
 
-def compact_slots(start: int, visible_new: Tensor, block: int) -> "tuple[int, Tensor, Tensor]":
-    """(S0, tail slots [n, T], tail validity [n, T]) of each query's visible keys from S0 = start rounded
-    down to `block` on: cached slots S0..start-1, then the new slots it sees (`visible_new` [n, n]), in
-    order, padded to T (a multiple of `block`) with slot 0, invalid."""
+class KeyLayout(NamedTuple):
+    """Where each of a pass's n queries finds its visible keys, laid out in blocks (layer-independent: made once
+    per pass by `key_layout`). A chain's queries read the cache's blocks 0..nb-1 in place (their visible keys
+    are slots 0..start+i already); a tree's read the full blocks below S0 in place and gather the rest."""
+
+    start: int
+    n: int
+    block: int
+    shared_blocks: int  # blocks read in place by every query
+    shared_mask: Tensor  # [C, shared_blocks, R, B] bool: visible, per query row (C * R rows: n * G padded)
+    tail_slots: Optional[Tensor]  # [n * T] long: per query, the slots of its gathered keys (None: a chain)
+    tail_mask: Optional[Tensor]  # [n, 1, T // B, 1, B] bool
+
+
+def key_layout(start: int, visible_new: Optional[Tensor], n: int, group: int, rows: int, block: int,
+               device: torch.device) -> KeyLayout:
+    """The KeyLayout of n new queries after `start` cached slots: a chain (`visible_new` None: query i sees
+    slots 0..start+i) or a tree (query i sees every cached slot and the new slots where visible_new[i])."""
+    chunks = -(-(n * group) // rows)
+    query = torch.arange(chunks * rows, device=device) // group  # each padded row's query (past n: padding)
+    if visible_new is None:
+        blocks = -(-(start + n) // block)
+        key = torch.arange(blocks * block, device=device).view(blocks, block)
+        limit = (start + query).clamp(max=start + n - 1).view(chunks, 1, rows, 1)
+        return KeyLayout(start, n, block, blocks, key.view(1, blocks, 1, block) <= limit, None, None)
     s0 = (start // block) * block
-    n = visible_new.shape[0]
-    device = visible_new.device
-    new_slots = torch.arange(start, start + n, device=device)
+    shared = s0 // block
+    mask = torch.ones(chunks, shared, rows, block, dtype=torch.bool, device=device)
+    visible_new = visible_new.to(device, torch.bool)
     most = int(visible_new.sum(-1).max())
-    width = (start - s0) + most
-    width = max(block, -(-width // block) * block)
+    width = max(block, -(-((start - s0) + most) // block) * block)
     slots = torch.zeros(n, width, dtype=torch.long, device=device)
     valid = torch.zeros(n, width, dtype=torch.bool, device=device)
     if start > s0:
         slots[:, : start - s0] = torch.arange(s0, start, device=device)
         valid[:, : start - s0] = True
-    # new slots each query sees, packed left in slot order: a stable sort of not-visible first-false
+    # the new slots each query sees, packed left in slot order (a stable sort puts the visible ones first)
     order = torch.argsort((~visible_new).to(torch.int8), dim=-1, stable=True)
     seen = torch.gather(visible_new, 1, order)
-    packed = torch.where(seen, new_slots[order], torch.zeros_like(order))
-    slots[:, start - s0: start - s0 + most] = packed[:, :most]
+    packed_slots = torch.where(seen, order + start, torch.zeros_like(order))
+    slots[:, start - s0: start - s0 + most] = packed_slots[:, :most]
     valid[:, start - s0: start - s0 + most] = seen[:, :most]
-    return s0, slots, valid
+    return KeyLayout(start, n, block, shared, mask, slots.view(-1), valid.view(n, 1, width // block, 1, block))
 
 
-def _rows_first(q: Tensor, rows: int) -> "tuple[Tensor, int]":
-    """q [Hkv, M, hd] -> [Hkv, C, rows, hd] (M padded to C * rows) and M."""
-    hkv, m, hd = q.shape
-    extra = (-m) % rows
-    if extra:
-        q = torch.cat([q, q.new_zeros(hkv, extra, hd)], dim=1)
-    return q.view(hkv, -1, rows, hd), m
+def _padded_rows(x: Tensor, total: int, dim: int) -> Tensor:
+    """`x` zero-padded along `dim` to `total`."""
+    extra = total - x.shape[dim]
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def block_attention(q: Tensor, keys: Tensor, values: Tensor, start: int, visible_new: Tensor, scaling: float,
-                    block: int = KEY_BLOCK, rows: int = QUERY_ROWS) -> Tensor:
-    """Attention of n new queries q [n, H, hd] over a cache keys/values [Hkv, >= start + n, hd] whose slots
-    start.. hold the n new tokens; query i sees every cached slot < start and the new slots where
-    visible_new[i] ([n, n] bool). Returns [n, H, hd] in q's dtype, computed in float32 with fixed
-    shapes (module docstring), so each query's result equals its own pass over a compacted cache."""
+def block_attention(q: Tensor, keys: Tensor, values: Tensor, layout: KeyLayout, scaling: float,
+                    rows: int = QUERY_ROWS) -> Tensor:
+    """Attention of n new queries q [n, H, hd] over a cache keys/values [Hkv, capacity, hd] (capacity at least
+    the layout's blocks; slots start.. hold the new tokens) as `layout` says. Returns [n, H, hd] in q's dtype,
+    computed in float32 from fixed-shape products (module docstring), so each query's result equals its own
+    one-token pass over a compacted cache."""
     n, heads, hd = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    out_dtype = q.dtype
-    qf = q.float().view(n, kv_heads, group, hd)
-    s0, slots, valid = compact_slots(start, visible_new.to(torch.bool), block)
-    shared_blocks = s0 // block
-    tail_blocks = slots.shape[1] // block
-
-    # tail: per query, its G head rows padded to `rows`, against its own gathered keys
-    tail_k = keys.index_select(1, slots.reshape(-1)).float().view(kv_heads, n, tail_blocks, block, hd)
-    tail_v = values.index_select(1, slots.reshape(-1)).float().view(kv_heads, n, tail_blocks, block, hd)
-    tail_k = tail_k.permute(1, 0, 2, 4, 3)  # [n, Hkv, nbt, hd, B]
-    tail_v = tail_v.permute(1, 0, 2, 3, 4)  # [n, Hkv, nbt, B, hd]
-    q_tail = qf
-    if group < rows:
-        q_tail = torch.cat([qf, qf.new_zeros(n, kv_heads, rows - group, hd)], dim=2)
-    elif group > rows:
+    if group > rows:
         raise ValueError(f"{group} query heads per key head exceed the attention row bucket {rows}")
-    s_tail = torch.matmul(q_tail.unsqueeze(2).contiguous(), tail_k.contiguous())[:, :, :, :group]  # [n,Hkv,nbt,G,B]
-    s_tail = s_tail.permute(0, 1, 3, 2, 4)  # [n, Hkv, G, nbt, B]
-
-    parts = [s_tail]
-    if shared_blocks:
-        shared_k = keys[:, :s0].float().view(kv_heads, shared_blocks, block, hd)
-        shared_v = values[:, :s0].float().view(kv_heads, shared_blocks, block, hd)
-        q_rows, m = _rows_first(qf.permute(1, 0, 2, 3).reshape(kv_heads, n * group, hd), rows)  # [Hkv, C, R, hd]
-        s_shared = torch.matmul(q_rows.unsqueeze(2), shared_k.transpose(-1, -2).unsqueeze(1))  # [Hkv, C, nbs, R, B]
-        chunks = s_shared.shape[1]
-        s_shared = s_shared.permute(0, 1, 3, 2, 4).reshape(kv_heads, chunks * rows, shared_blocks, block)[:, :m]
-        s_shared = s_shared.view(kv_heads, n, group, shared_blocks, block).permute(1, 0, 2, 3, 4)
-        parts.insert(0, s_shared)
-    scores = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]  # [n, Hkv, G, nb, B]
-    scores = scores * scaling
-    mask = torch.ones(n, shared_blocks * block, dtype=torch.bool, device=q.device)
-    mask = torch.cat([mask, valid], dim=1).view(n, 1, 1, shared_blocks + tail_blocks, block)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    top = scores.amax(dim=(3, 4), keepdim=True)
-    p = torch.exp(scores - top)  # masked: exactly 0
-    total = torch.cumsum(p.sum(-1), dim=-1)[..., -1]  # [n, Hkv, G], blocks in order
-
-    p_tail = p[:, :, :, shared_blocks:].permute(0, 1, 3, 2, 4)  # [n, Hkv, nbt, G, B]
-    if group < rows:
-        p_tail = torch.cat([p_tail, p_tail.new_zeros(n, kv_heads, tail_blocks, rows - group, block)], dim=3)
-    o_tail = torch.matmul(p_tail.contiguous(), tail_v.contiguous())[:, :, :, :group]  # [n, Hkv, nbt, G, hd]
-    o_blocks = [o_tail.permute(0, 1, 3, 2, 4)]  # [n, Hkv, G, nbt, hd]
-    if shared_blocks:
-        p_shared = p[:, :, :, :shared_blocks].permute(1, 0, 2, 3, 4).reshape(kv_heads, n * group, shared_blocks, block)
-        p_shared = p_shared.permute(0, 2, 1, 3)  # [Hkv, nbs, M, B]
-        extra = (-(n * group)) % rows
-        if extra:
-            p_shared = torch.cat([p_shared, p_shared.new_zeros(kv_heads, shared_blocks, extra, block)], dim=2)
-        chunks = p_shared.shape[2] // rows
-        p_shared = p_shared.reshape(kv_heads, shared_blocks, chunks, rows, block).permute(0, 2, 1, 3, 4)
-        o_shared = torch.matmul(p_shared.contiguous(), shared_v.unsqueeze(1))  # [Hkv, C, nbs, R, hd]
-        o_shared = o_shared.permute(0, 2, 1, 3, 4).reshape(kv_heads, shared_blocks, chunks * rows, hd)[:, :, : n * group]
-        o_shared = o_shared.view(kv_heads, shared_blocks, n, group, hd).permute(2, 0, 3, 1, 4)  # [n, Hkv, G, nbs, hd]
-        o_blocks.insert(0, o_shared)
-    o = torch.cat(o_blocks, dim=3) if len(o_blocks) > 1 else o_blocks[0]
-    o = torch.cumsum(o, dim=3)[:, :, :, -1]  # [n, Hkv, G, hd]
-    o = o / total.unsqueeze(-1)
-    return o.reshape(n, heads, hd).to(out_dtype)
-
-
-def causal_visible(n: int, device: torch.device) -> Tensor:
-    """[n, n] bool: new token i sees new tokens 0..i (a chain)."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    block, shared = layout.block, layout.shared_blocks
+    qf = q.float().view(n, kv_heads, group, hd)
+    chunks = layout.shared_mask.shape[0]
+    scores, probs_v = [], []
+    if shared:
+        k_in = keys[:, : shared * block].float().view(kv_heads, shared, block, hd)
+        v_in = values[:, : shared * block].float().view(kv_heads, shared, block, hd)
+        q_rows = _padded_rows(qf.permute(1, 0, 2, 3).reshape(kv_heads, n * group, hd), chunks * rows, 1)
+        s = torch.matmul(q_rows.view(kv_heads, chunks, 1, rows, hd), k_in.transpose(-1, -2).unsqueeze(1))
+        scores.append(s.masked_fill(~layout.shared_mask, float("-inf")))  # [Hkv, C, nbs, R, B]
+    if layout.tail_slots is not None:
+        tail = layout.tail_mask.shape[2]
+        k_t = keys.index_select(1, layout.tail_slots).float().view(kv_heads, n, tail, block, hd)
+        v_t = values.index_select(1, layout.tail_slots).float().view(kv_heads, n, tail, block, hd)
+        q_t = _padded_rows(qf, rows, 2).unsqueeze(2)  # [n, Hkv, 1, R, hd]
+        s = torch.matmul(q_t, k_t.permute(1, 0, 2, 4, 3))  # [n, Hkv, nbt, R, B]
+        scores.append(s.masked_fill(~layout.tail_mask, float("-inf")))
+    # the max over all of a row's visible keys (exact), then per block exp, sums and P @ V
+    if shared:
+        top_shared = scores[0].amax(dim=(2, 4))  # [Hkv, C, R]
+        top_rows = top_shared.reshape(kv_heads, chunks * rows)[:, : n * group].view(kv_heads, n, group)
+        top_rows = top_rows.permute(1, 0, 2)  # [n, Hkv, G]
+    if layout.tail_slots is not None:
+        top_tail = scores[-1][..., :group, :].amax(dim=(2, 4))  # [n, Hkv, G]
+        top_rows = top_tail if not shared else torch.maximum(top_rows, top_tail)
+    sums, outs = [], []
+    if shared:
+        top = _padded_rows(top_rows.permute(1, 0, 2).reshape(kv_heads, n * group), chunks * rows, 1)
+        p = torch.exp(scores[0] * scaling - top.view(kv_heads, chunks, 1, rows, 1) * scaling)
+        sums.append(p.sum(-1))  # [Hkv, C, nbs, R]
+        outs.append(torch.matmul(p, v_in.unsqueeze(1)))  # [Hkv, C, nbs, R, hd]
+    if layout.tail_slots is not None:
+        top = _padded_rows(top_rows, rows, 2).view(n, kv_heads, 1, rows, 1)
+        p = torch.exp(scores[-1] * scaling - top * scaling)  # [n, Hkv, nbt, R, B]
+        sums.append(p.sum(-1))  # [n, Hkv, nbt, R]
+        outs.append(torch.matmul(p, v_t.permute(1, 0, 2, 3, 4)))  # [n, Hkv, nbt, R, hd]
+    # blocks in order, summed sequentially: shared ones (per padded row) then the tail's (per query)
+    if shared:
+        sums[0] = sums[0].permute(0, 1, 3, 2).reshape(kv_heads, chunks * rows, shared)[:, : n * group]
+        sums[0] = sums[0].view(kv_heads, n, group, shared).permute(1, 0, 2, 3)  # [n, Hkv, G, nbs]
+        outs[0] = outs[0].permute(0, 1, 3, 2, 4).reshape(kv_heads, chunks * rows, shared, hd)[:, : n * group]
+        outs[0] = outs[0].view(kv_heads, n, group, shared, hd).permute(1, 0, 2, 3, 4)  # [n, Hkv, G, nbs, hd]
+    if layout.tail_slots is not None:
+        sums[-1] = sums[-1][..., :group].transpose(2, 3)  # [n, Hkv, G, nbt]
+        outs[-1] = outs[-1][..., :group, :].transpose(2, 3)  # [n, Hkv, G, nbt, hd]
+    total = torch.cumsum(torch.cat(sums, dim=3) if len(sums) > 1 else sums[0], dim=3)[..., -1]
+    o = torch.cumsum(torch.cat(outs, dim=3) if len(outs) > 1 else outs[0], dim=3)[:, :, :, -1]
+    return (o / total.unsqueeze(-1)).reshape(n, heads, hd).to(q.dtype)
 
 
 def rms_norm_rows(x: Tensor, weight: Tensor, eps: float) -> Tensor:

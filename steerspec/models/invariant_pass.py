@@ -22,7 +22,7 @@ from steerspec.models.invariant_ops import (
     QUERY_ROWS,
     block_attention,
     bucket_linear,
-    causal_visible,
+    key_layout,
     pad_rows,
     rms_norm_rows,
 )
@@ -91,12 +91,14 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
     device = first.device
     counts = [int(f.numel()) for f in feeds]
     starts = [lm.length for lm in lms]
-    visibles, positions = [], []
+    hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
+    group = heads // kv_heads
+    key_layouts, positions = [], []
     for lm, start, n, tree in zip(lms, starts, counts, trees):
-        lm._grow(start + n)
+        lm._grow(-(-(start + n) // block) * block)  # whole key blocks: attention reads them in place
         if tree is None:
             positions.append(torch.arange(start, start + n, device=device))
-            visibles.append(causal_visible(n, device))
+            key_layouts.append(key_layout(start, None, n, group, QUERY_ROWS, block, device))
         else:
             pos, visible = tree[0].to(device, torch.long), tree[1].to(device, torch.bool)
             if visible.shape != (n, start + n):
@@ -105,9 +107,8 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
             if start and not bool(visible[:, :start].all()):
                 raise ValueError("an invariant tree pass needs every cached slot visible to every tree token")
             positions.append(pos)
-            visibles.append(visible[:, start:])
+            key_layouts.append(key_layout(start, visible[:, start:], n, group, QUERY_ROWS, block, device))
     total = sum(counts)
-    hd, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
     cos, sin = rotary_rows(first.model, first.decoder.rotary_emb, torch.cat(positions), first.dtype)
     cos, sin = cos.view(total, 1, hd), sin.view(total, 1, hd)
     layers = list(hidden_layers or ())
@@ -115,7 +116,7 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
         if not 0 <= index <= first.num_layers:
             raise ValueError(f"layer {index} out of range (model has {first.num_layers} layers)")
     biases = _row_biases(lms, counts)
-    x = pad_rows(F.embedding(torch.cat([f.to(device) for f in feeds]), first._embed), rows)  # [N_pad, D]
+    x = F.embedding(torch.cat([f.to(device) for f in feeds]), first._embed)  # [N, D]
     plans, head = first.plans_for(rows)
     captured = {}
     spans, offset = [], 0
@@ -124,8 +125,8 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
         offset += n
     for index, layer_plan in enumerate(plans):
         if index in layers:
-            captured[index] = x[:total]
-        h = rms_norm_rows(x, *layer_plan.input_norm)
+            captured[index] = x
+        h = pad_rows(rms_norm_rows(x, *layer_plan.input_norm), rows)  # padded once for q, k and v
         q = bucket_linear(h, *layer_plan.q, rows)[:total].view(total, heads, hd)
         k = bucket_linear(h, *layer_plan.k, rows)[:total].view(total, kv_heads, hd)
         v = bucket_linear(h, *layer_plan.v, rows)[:total].view(total, kv_heads, hd)
@@ -134,21 +135,22 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         outs = []
-        for lm, start, (lo, hi), visible in zip(lms, starts, spans, visibles):
+        for lm, start, (lo, hi), layout in zip(lms, starts, spans, key_layouts):
             keys, values = lm._keys[index][0], lm._values[index][0]  # [Hkv, capacity, hd]
             keys[:, start:start + hi - lo] = k[lo:hi].transpose(0, 1)
             values[:, start:start + hi - lo] = v[lo:hi].transpose(0, 1)
-            o = block_attention(q[lo:hi], keys, values, start, visible, first.scaling, block, QUERY_ROWS)
+            o = block_attention(q[lo:hi], keys, values, layout, first.scaling, QUERY_ROWS)
             outs.append(o.reshape(hi - lo, heads * hd))
-        x = x + bucket_linear(pad_rows(torch.cat(outs), rows), *layer_plan.o, rows)
-        h = rms_norm_rows(x, *layer_plan.post_attention_norm)
-        up = bucket_linear(h, *layer_plan.up, rows)
+        x = x + bucket_linear(torch.cat(outs) if len(outs) > 1 else outs[0], *layer_plan.o, rows)
+        h = pad_rows(rms_norm_rows(x, *layer_plan.post_attention_norm), rows)
+        up = bucket_linear(h, *layer_plan.up, rows)[:total]
         if biases is not None and biases[index] is not None:
-            up = up + pad_rows(biases[index], rows)
-        x = x + bucket_linear(F.silu(bucket_linear(h, *layer_plan.gate, rows)) * up, *layer_plan.down, rows)
+            up = up + biases[index]
+        gate = bucket_linear(h, *layer_plan.gate, rows)[:total]
+        x = x + bucket_linear(F.silu(gate) * up, *layer_plan.down, rows)
     for lm, start, n in zip(lms, starts, counts):  # only now: a failed pass leaves every cache as it was
         lm.length = start + n
-    normed = rms_norm_rows(x, *first._final_norm)[:total]
+    normed = rms_norm_rows(x, *first._final_norm)
     if first.num_layers in layers:
         captured[first.num_layers] = normed
     hidden = torch.stack([captured[i] for i in layers]) if layers else None
