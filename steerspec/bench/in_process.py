@@ -36,6 +36,7 @@ from steerspec.models import context_length, eos_token_ids, load_model, resolve_
 from steerspec.models.backends import cached_lm
 from steerspec.models.checkpoints import ASSETS_DIR
 from steerspec.observability.run_record import tokens_digest
+from steerspec.models.invariant_pass import invariant_plan
 from steerspec.models.kv import FastCachedLM
 from steerspec.policies import FixedK
 from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
@@ -301,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
         "drafter": str(args.drafter),
         "steering": steering is not None,  # SD²: our rows steered, transformers assisted unsteered
         "dtype": args.dtype,
+        "invariant": invariant_plan(verifier)._asdict() if invariant_plan(verifier) is not None else None,
+        "invariant_mode": getattr(args, "invariant", None),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "device": str(verifier.device),
         "backend": type(v_lm).__name__,
