@@ -291,10 +291,7 @@ class FastCachedLM(CachedLM):
         cpu = self.device.type == "cpu"
         self.set_out_major_rows(out_major_rows() if cpu else frozenset())
         self.set_onednn_min_rows(onednn_min_rows() if cpu else 0)
-        plan = invariant_plan(self.model)
-        self._invariant_copies: Optional[LayoutPlans] = None
-        if plan is not None and plan.layout == "packed" and cpu and onednn_available():
-            self._invariant_copies = LayoutPlans(self.model, self.layer_plans, self._head, packed, is_packable)
+        self._invariant_copies: Optional[LayoutPlans] = None  # made on the first invariant pass (`_copies_for`)
         if self._capacity:  # a refresh after construction keeps the measured one-row choice
             self._choose_one_row_layout()
 
@@ -331,7 +328,12 @@ class FastCachedLM(CachedLM):
     def _copies_for(self, rows: int) -> Optional[LayoutPlans]:
         """The weight copies a pass over `rows` rows reads: oneDNN-packed, else out-major, else None (invariant
         passes: one layout whatever the rows)."""
-        if self.invariant:
+        plan = invariant_plan(self.model)
+        if plan is not None:  # one layout for every row count: the packed copies, or the model's own weights
+            if plan.layout != "packed" or self.device.type != "cpu" or not onednn_available():
+                return None
+            if self._invariant_copies is None:
+                self._invariant_copies = LayoutPlans(self.model, self.layer_plans, self._head, packed, is_packable)
             return self._invariant_copies
         if self._packed is not None and rows >= self._packed_from:
             return self._packed

@@ -145,3 +145,14 @@ def smollm2(request):
 def test_smollm2_verify_passes_equal_one_token_decoding(smollm2):
     assert verify_pass_differences(smollm2, seed=3, rows=(1, 2, 5, 9, 17, 65), length=96) == 0
     assert packed_differences(smollm2, 2, seed=4) == 0
+
+
+def test_a_cache_made_before_invariance_was_set_reads_the_same_weights(tiny):
+    """Invariance set after a FastCachedLM was made: its passes read the same copies as a new one's, bit for bit."""
+    previous = with_invariance(tiny, None)
+    try:
+        early = FastCachedLM(tiny)
+    finally:
+        with_invariance(tiny, previous)
+    ids = list(range(3, 30))
+    assert torch.equal(early.extend(ids).logits, FastCachedLM(tiny).extend(ids).logits)
