@@ -83,7 +83,8 @@ def test_smollm2_bf16_greedy_equals_the_verifier_alone_and_departs_without_invar
         assert chain == alone and tree == alone
     finally:
         set_invariant(verifier, None)
-    chain, tree, alone = departures(verifier, drafter, prompts("smollm2", (("fresh", 8),)), config)
+    # the first two `fresh` prompts depart at tokens 14 and 45 (chain) / 14 and 25 (tree) on an Intel Xeon with AMX
+    chain, tree, alone = departures(verifier, drafter, prompts("smollm2", (("fresh", 2),)), config)
     assert chain != alone or tree != alone, "without invariance bfloat16 greedy output departs on this CPU"
 
 
