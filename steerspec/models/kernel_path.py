@@ -100,7 +100,8 @@ def rows_override() -> Optional[int]:
     return rows
 
 
-def _key(model) -> str:
+def cache_key(model) -> str:
+    """The kernel-path cache key of `model` here: machine, model name and size, dtype, thread count."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     name = getattr(model, "name_or_path", "") or type(model).__name__
     size = sum(p.numel() for p in model.parameters())
@@ -110,7 +111,7 @@ def _key(model) -> str:
 def machine_verdict(model) -> Dict[str, object]:
     """{"invariant": bool, "rows": R, "ms": {...}} for `model` on this machine: cached, else timed now and cached."""
     path = cache_root() / CACHE_FILE
-    key = _key(model)
+    key = cache_key(model)
     cached = _read(path)
     if key in cached:
         return cached[key]

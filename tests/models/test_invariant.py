@@ -3,6 +3,8 @@ logits one-token decoding gives it, in float32 and bfloat16 (steerspec/models/in
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -156,3 +158,21 @@ def test_a_cache_made_before_invariance_was_set_reads_the_same_weights(tiny):
         with_invariance(tiny, previous)
     ids = list(range(3, 30))
     assert torch.equal(early.extend(ids).logits, FastCachedLM(tiny).extend(ids).logits)
+
+
+def test_the_machine_verdict_is_timed_once_and_cached(tmp_path, monkeypatch):
+    """`auto` times the paths once per machine, model, dtype and threads; the next load reads the cache."""
+    from steerspec.models import kernel_path
+
+    monkeypatch.setenv("STEERSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("STEERSPEC_INVARIANT", raising=False)
+    model = load_model("verifier")
+    first = kernel_path.machine_verdict(model)
+    assert set(first) == {"invariant", "rows", "ms"} and first["rows"] in kernel_path.ROW_BUCKETS
+    assert (tmp_path / kernel_path.CACHE_FILE).is_file()
+    monkeypatch.setattr(kernel_path, "time_paths", lambda *a, **k: pytest.fail("timed again"))
+    assert kernel_path.machine_verdict(model) == first
+    cached = {**first, "invariant": True, "rows": 4}
+    bf16 = load_model("verifier", dtype="bfloat16")
+    (tmp_path / kernel_path.CACHE_FILE).write_text(json.dumps({kernel_path.cache_key(bf16): cached}))
+    assert kernel_path.apply_invariance(bf16, "auto") == InvariantPlan(rows=4)
