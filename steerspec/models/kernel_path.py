@@ -56,11 +56,6 @@ def machine_key() -> str:
     return f"{model or 'unknown-cpu'} [{hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
 
 
-def cpu_name() -> str:
-    """The CPU model name (bench records say which machine measured them)."""
-    return machine_key().rsplit(" [", 1)[0]
-
-
 def apply_invariance(model, mode: str = "off") -> Optional[InvariantPlan]:
     """Set `model`'s invariant plan for `mode` (overridden by $STEERSPEC_INVARIANT); returns the plan, or None (off)."""
     mode = check_mode(os.environ.get(ENV) or mode)
