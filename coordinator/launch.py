@@ -59,6 +59,7 @@ class Services:
     trace_file: Optional[str] = None
     redis_url: Optional[str] = None
     allow_lossy: bool = False  # the coordinator serves lossy verification (sprinter) requests
+    invariant: Optional[str] = None  # the verifier's batch-invariant passes: off | on | auto (None: as loaded / off)
     verifier_options: Dict[str, object] = field(default_factory=dict)  # VerifierConfig fields
     drafter_options: Dict[str, object] = field(default_factory=dict)  # DrafterConfig fields
 
@@ -109,7 +110,7 @@ class RayDeployment:
             bandwidth_mbps=link.bandwidth_mbps, link_seed=link.seed, redis_url=s.redis_url,
             trace_file=s.trace_file, num_threads=s.num_threads or 0, steering_head=s.steering_dir(),
             verifier_options=s.verifier_options, drafter_options=s.drafter_options, one_coordinator=True,
-            allow_lossy=s.allow_lossy, **self.placement)
+            allow_lossy=s.allow_lossy, invariant=s.invariant, **self.placement)
 
     async def start(self) -> None:
         ray = import_ray()
@@ -166,7 +167,7 @@ def launch(services: Services, deployment: str = "local", *, address: Optional[s
                         drafter_dtype=services.drafter_dtype, device=services.device, verifier_options=dict(services.verifier_options),
                         drafter_options=dict(services.drafter_options), num_threads=services.num_threads,
                         trace_file=services.trace_file, redis_url=services.redis_url,
-                        allow_lossy=services.allow_lossy)
+                        allow_lossy=services.allow_lossy, invariant=services.invariant)
 
 
 # ------------------------------------------------------------------------------- steerspec run
@@ -191,7 +192,8 @@ def run_distributed(args, prompt_ids: Sequence[int]):
                         drafter_dtype=_arg(args, "drafter_dtype", None),
                         device=_arg(args, "device", "cpu"), link=link_from_args(args),
                         num_threads=int(_arg(args, "threads", 0)), trace_file=_arg(args, "trace_file", None),
-                        allow_lossy=lossy,  # an absolute head path: Ray's drafter actors run elsewhere
+                        allow_lossy=lossy, invariant=_arg(args, "invariant", None),
+                        # an absolute head path: Ray's drafter actors run elsewhere
                         drafter_options={"sprinter_head": str(Path(head).resolve())} if head else {})
     return asyncio.run(_generate_once(services, _arg(args, "deployment", "local"), args, list(prompt_ids)))
 

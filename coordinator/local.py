@@ -30,6 +30,7 @@ from drafter_service.server import DrafterConfig
 from drafter_service.server import serve as serve_drafter
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.models import context_length, load_model
+from steerspec.models.kernel_path import apply_invariance
 from steerspec.models.layouts import drafter_dtype
 from steerspec.models.loading import apply_threads
 from steerspec.observability.tracing import flush_tracing, get_tracer, instrument_grpc, setup_tracing
@@ -73,6 +74,7 @@ class LocalCluster:
     dtype: str = "float32"
     drafter_dtype: Optional[str] = None  # None: `dtype`; "auto": bfloat16 on a CPU with native bf16 (layouts.drafter_dtype)
     device: str = "cpu"
+    invariant: Optional[str] = None  # the verifier's batch-invariant passes: off | on | auto (None: as loaded)
     verifier_options: dict = field(default_factory=dict)  # VerifierConfig fields
     drafter_options: dict = field(default_factory=dict)  # DrafterConfig fields
     metrics: object = None
@@ -116,6 +118,8 @@ class LocalCluster:
             self.store = await open_store(self.redis_url)
         verifier_model = _load(self.verifier, self.dtype, self.device)
         self._threads(verifier_model)
+        if self.invariant is not None:
+            apply_invariance(verifier_model, self.invariant)
         steering_dir = (find_steering_dir(self.drafter)
                         if self.drafters and isinstance(self.drafter, (str, os.PathLike)) else None)
         if self.drafters and steering_dir is None and not isinstance(self.drafter, (str, os.PathLike)):

@@ -38,6 +38,7 @@ from drafter_service import ahead_args
 from drafter_service import server as drafter_server
 from drafter_service.cli import load_drafter
 from steerspec.errors import UsageError
+from steerspec.models.kernel_path import apply_invariance
 from steerspec.observability.prometheus import SteerSpecMetrics, start_metrics_server
 from steerspec.observability.tracing import flush_tracing, get_tracer, instrument_grpc, setup_tracing
 from steerspec.serving import security
@@ -143,13 +144,16 @@ class VerifierServer(_ModelServerActor):
                  host: str = "127.0.0.1", port: int = 0, trace_file: Optional[str] = None,
                  num_threads: int = 0, options: Optional[Dict[str, object]] = None,
                  redis_url: Optional[str] = None, heartbeat_ttl_s: float = 5.0,
-                 device_map: Optional[str] = None, steering_head: Optional[str] = None) -> None:
+                 device_map: Optional[str] = None, steering_head: Optional[str] = None,
+                 invariant: Optional[str] = None) -> None:
         super().__init__(model, dtype, device, host, port, trace_file, num_threads, options, redis_url,
                          heartbeat_ttl_s)
-        self.device_map, self.steering_head = device_map, steering_head
+        self.device_map, self.steering_head, self.invariant = device_map, steering_head, invariant
 
     async def _serve(self, host: str):
         model = load_verifier(self.model_name, self.dtype, self.device, self.device_map)
+        if self.invariant is not None:
+            apply_invariance(model, self.invariant)
         head = load_head(self.steering_head, model.device) if self.steering_head else None
         config = verifier_server.VerifierConfig(replica=f"ray-verifier-{os.getpid()}", model_name=str(self.model_name), **self.options)
         return await verifier_server.serve(model, config, host=host, port=self.port, steering_head=head)
@@ -385,6 +389,7 @@ def deploy(
     allow_lossy: bool = False,
     max_sessions_per_identity: int = 0,
     timeout: float = 300,
+    invariant: Optional[str] = None,
 ) -> Deployment:
     """Place a verifier on a `verifier` node and `drafters` drafter+coordinator pairs on `edge` nodes.
 
@@ -403,7 +408,7 @@ def deploy(
     v_actor = actor_class("VerifierActor").options(
         **placement_options("verifier", num_gpus=verifier_gpus, name=name("steerspec-verifier-0"), detached=detached)
     ).remote(model=verifier, port=verifier_port, device_map=device_map, steering_head=steering_head,
-             options=verifier_options, **common)
+             options=verifier_options, invariant=invariant, **common)
     d_actors = [actor_class("DrafterActor").options(
         **placement_options("drafter", num_gpus=drafter_gpus, name=name(f"steerspec-drafter-{i}"), detached=detached)
     ).remote(model=drafter, options=drafter_options, **{**common, "dtype": drafter_dtype}) for i in range(drafters)]

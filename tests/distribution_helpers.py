@@ -37,7 +37,7 @@ def chi_square_p(counts: Counter, expected_probs: dict, n: int) -> float:
 
 def verifier_probs(model, ids, params: SamplingParams) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor(ids)).logits[:, -1]
+        logits = model(input_ids=torch.tensor(ids)).logits[:, -1].float()
     return probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from steerspec.errors import UsageError
 from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.kernel_path import MODES, apply_invariance
 from steerspec.models.loading import check_swiglu, load_model, resolve_dtype
 from steerspec.observability import service_metrics
 from steerspec.observability.tracing import instrument_grpc, setup_tracing
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message accepted")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-shutdown grace period")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--invariant", default="auto", choices=MODES,
+                        help="batch-invariant verify passes (CPU): each row bit-identical to one-token decoding. auto "
+                             "(default): on for a bfloat16/float16 verifier where this machine's timing allows")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSONL here")
     registration.add_arguments(parser)
     security.add_arguments(parser)
@@ -87,6 +91,7 @@ async def _main(args) -> int:
         instrument_grpc()
     await registration.check_reachable(args.redis_url)  # before the model loads
     model = load_verifier(args.model, args.dtype, args.device, args.device_map)
+    apply_invariance(model, args.invariant)
     head = load_head(args.steering_head, model.device) if args.steering_head else None
     if args.max_cache_mb is None:
         args.max_cache_mb = default_cache_mb(next(model.parameters()).device)

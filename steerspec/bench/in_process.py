@@ -36,6 +36,7 @@ from steerspec.models import context_length, eos_token_ids, load_model, resolve_
 from steerspec.models.backends import cached_lm
 from steerspec.models.checkpoints import ASSETS_DIR
 from steerspec.observability.run_record import tokens_digest
+from steerspec.models.invariant_pass import invariant_plan, set_invariant
 from steerspec.models.kv import FastCachedLM
 from steerspec.policies import FixedK
 from steerspec.steering.runtime import SD2Steering, maybe_steering_weights
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a CPU, skip transformers' rows on the models' original out-major weights (by "
                              "default they run on both layouts, and the faster counts: BLAS reads one-row "
                              "steps faster input-major and 2-3-row passes faster out-major)")
+    parser.add_argument("--compare-invariance", action="store_true",
+                        help="with an invariant verifier (--invariant on), also run every one of our rows with "
+                             "invariance off, interleaved, labelled '(invariance off)'")
     parser.add_argument("--out", default="bench-results/engine.json", help="JSON output path")
     add_model_arguments(parser)
 
@@ -153,6 +157,22 @@ def run(args: argparse.Namespace) -> int:
         methods[f"speculative k={k}"] = speculative(k)
     for shape in trees:
         methods[f"speculative tree={shape.spec()}"] = draft_tree(shape)
+
+    plan = invariant_plan(verifier)
+    if args.compare_invariance:
+        if plan is None:
+            raise UsageError("--compare-invariance needs an invariant verifier: add --invariant on")
+
+        def plain(fn: Callable) -> Callable:
+            def generate(ids):
+                set_invariant(verifier, None)
+                try:
+                    return fn(ids)
+                finally:
+                    set_invariant(verifier, plan)
+            return generate
+        for name in list(methods):
+            methods[f"{name} (invariance off)"] = plain(methods[name])
 
     if args.compare_layouts:
         plain_v, plain_d = cached_lm(verifier, args.backend), cached_lm(drafter, args.backend)
@@ -271,6 +291,10 @@ def run(args: argparse.Namespace) -> int:
         "ratio_vs_assisted": (best_ours["tokens_per_s"] / best_assisted["tokens_per_s"]) if best_assisted else None,
         "all_outputs_equal": all(r["same_tokens_as_verifier"] for r in rows),
     }
+    plain_alone = next((r for r in rows if r["method"] == "verifier alone (invariance off)"), None)
+    if plain_alone is not None:  # each of our rows against the verifier alone without invariance, same run
+        summary["speedup_vs_verifier_alone_invariance_off"] = {
+            r["method"]: r["tokens_per_s"] / plain_alone["tokens_per_s"] for r in rows if not r["method"].startswith("transformers")}
 
     table = Table(title=f"steerspec bench engine ({len(prompts)} {args.eval_set} prompts, "
                         f"{args.max_new_tokens} tokens, greedy, {torch.get_num_threads()} threads)")
@@ -301,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
         "drafter": str(args.drafter),
         "steering": steering is not None,  # SD²: our rows steered, transformers assisted unsteered
         "dtype": args.dtype,
+        "invariant": invariant_plan(verifier)._asdict() if invariant_plan(verifier) is not None else None,
+        "invariant_mode": getattr(args, "invariant", None),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "device": str(verifier.device),
         "backend": type(v_lm).__name__,

@@ -1,4 +1,4 @@
-"""`steerspec bench engine|remote|capacity|sd2|hop|http|overlap|step|layouts|sprinter|policies|soak`: benchmarks that print a
+"""`steerspec bench engine|remote|capacity|sd2|hop|http|overlap|step|layouts|invariance|sprinter|policies|soak`: benchmarks that print a
 table and write JSON."""
 
 from steerspec.cli.dispatch import register_group
@@ -18,6 +18,8 @@ COMMANDS = (
     ("soak", "steerspec.bench.soak", "chaos soak: clients generate while parts are killed; nothing lost, repeated or wrong"),
     ("step", "steerspec.bench.step", "per-step latencies (drafter step, k+1 extend, draft/verify block) vs an HF floor"),
     ("layouts", "steerspec.bench.weight_layouts", "CPU weight layout per pass of n rows: input-major vs out-major copies"),
+    ("invariance", "steerspec.bench.invariance",
+     "what batch-invariant verify passes cost per pass size and dtype (and that they are bit-identical)"),
 )
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from steerspec.models.graphed import can_graph, graphed_step
+from steerspec.models.invariant_pass import invariant_extend
 from steerspec.models.kv import (
     CachedLM,
     FastCachedLM,
@@ -96,6 +97,9 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
         return [lm.extend(feed, hidden_layers) if tree is None else lm.extend_tree(feed, *tree, hidden_layers)
                 for lm, feed, tree in zip(lms, feeds, trees)]
     first: FastCachedLM = lms[0]  # type: ignore[assignment]
+    if first.invariant:  # every row bit-identical to its own one-token decoding (models/invariant_pass.py)
+        ids = [lm.as_tensor(feed).view(-1) for lm, feed in zip(lms, feeds)]
+        return [StepOutput(*out) for out in invariant_extend(lms, ids, trees, hidden_layers)]
     layers = list(hidden_layers or ())
     for index in layers:
         if not 0 <= index <= first.num_layers:

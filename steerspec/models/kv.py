@@ -39,7 +39,10 @@ from steerspec.models.layouts import (
     out_major_rows,
     packed,
 )
+from steerspec.models.invariant_pass import invariant_extend, invariant_plan
+from steerspec.models.invariant_ops import rms_norm_rows
 from steerspec.models.layouts import linear as kernel_linear
+from steerspec.models.layouts import onednn_available
 from steerspec.models.loading import cache_kwarg
 
 TokenIds = Union[Sequence[int], Tensor]
@@ -219,8 +222,9 @@ class FastCachedLM(CachedLM):
         43 → 34 ms), on the AVX2 ones not. Measured once per model, thread count and process; a timing
         disturbed by other work on the cores (a process starting beside it flipped the verdict, costing
         every later one-row pass 25%) is retried, and redone by the model's next wrappers."""
-        if self.device.type != "cpu" or self._packed is None or os.environ.get(ONEDNN_ENV) is not None:
-            return  # no copies, or the environment decides
+        if (self.device.type != "cpu" or self._packed is None or os.environ.get(ONEDNN_ENV) is not None
+                or self.invariant):
+            return  # no copies, the environment decides, or invariant passes read one layout for every row count
         verdicts = self.model.__dict__.setdefault(ONE_ROW_ATTR, {})
         threads = torch.get_num_threads()
         retime = ("retime", threads)  # in the same dict, so that setting a verdict by hand clears it
@@ -298,6 +302,7 @@ class FastCachedLM(CachedLM):
         cpu = self.device.type == "cpu"
         self.set_out_major_rows(out_major_rows() if cpu else frozenset())
         self.set_onednn_min_rows(onednn_min_rows() if cpu else 0)
+        self._invariant_copies: Optional[LayoutPlans] = None  # made on the first invariant pass (`_copies_for`)
         if self._capacity:  # a refresh after construction keeps the measured one-row choice
             self._choose_one_row_layout()
 
@@ -326,8 +331,21 @@ class FastCachedLM(CachedLM):
         """The smallest pass that reads the oneDNN-packed copies (0 when none are in use)."""
         return self._packed_from
 
+    @property
+    def invariant(self) -> bool:
+        """Whether this model's passes are batch-invariant (models/invariant_pass.py: `set_invariant`)."""
+        return invariant_plan(self.model) is not None
+
     def _copies_for(self, rows: int) -> Optional[LayoutPlans]:
-        """The weight copies a pass over `rows` rows reads: oneDNN-packed, else out-major, else None."""
+        """The weight copies a pass over `rows` rows reads: oneDNN-packed, else out-major, else None (invariant
+        passes: one layout whatever the rows)."""
+        plan = invariant_plan(self.model)
+        if plan is not None:  # one layout for every row count: the packed copies, or the model's own weights
+            if plan.layout != "packed" or self.device.type != "cpu" or not onednn_available():
+                return None
+            if self._invariant_copies is None:
+                self._invariant_copies = LayoutPlans(self.model, self.layer_plans, self._head, packed, is_packable)
+            return self._invariant_copies
         if self._packed is not None and rows >= self._packed_from:
             return self._packed
         if self._layouts is not None and rows in self._out_rows:
@@ -435,6 +453,10 @@ class FastCachedLM(CachedLM):
             for index in hidden_layers:
                 if not 0 <= index <= self.num_layers:
                     raise ValueError(f"layer {index} out of range (model has {self.num_layers} layers)")
+        if self.invariant and self.lean_ok():
+            tree = None if positions is None else (positions, visible)
+            logits, hidden = invariant_extend([self], [input_ids.view(-1)], [tree], hidden_layers, logits_to_keep)[0]
+            return StepOutput(logits, hidden)
         self._grow(end)
         want = frozenset(hidden_layers or ())
         captured = {}
@@ -526,6 +548,16 @@ class FastCachedLM(CachedLM):
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
         return StepOutput(logits, hidden)
 
+    def lean_ok(self) -> bool:
+        """Whether the lean forward may skip every module (no hook of any kind, no SD² steering to apply)."""
+        if has_global_hooks():
+            return False
+        for plan in self.layer_plans:
+            hooked, steering = hook_state(plan.modules)
+            if hooked or steering is not None:
+                return False
+        return True
+
     def rollback(self, length: int) -> None:
         if length < 0 or length > self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} tokens")
@@ -572,13 +604,7 @@ class FastCachedLM(CachedLM):
         self.length = 0
 
 
-def rms_normalize(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm (float32 statistics, weight applied in the input dtype)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+rms_normalize = rms_norm_rows  # transformers' RMSNorm (float32 statistics, weight applied in the input dtype)
 
 
 def hook_state(modules) -> Tuple[bool, object]:

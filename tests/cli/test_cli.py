@@ -166,3 +166,19 @@ def test_bench_engine_steers_an_sd2_drafter(capsys, tmp_path):
     with maybe_steering(drafter, resolve_model_dir("sd2")) as steering:
         steered = speculative_generate(cached_lm(verifier), drafter, ids, config, FixedK(3), steering=steering)
     assert row["rounds"] == steered.rounds
+
+
+@pytest.mark.slow
+def test_invariant_bfloat16_greedy_agrees_across_modes_and_transports(capsys, pair_args):
+    """--invariant on in bfloat16: speculative in process, through the services and the verifier alone agree."""
+    args = ["run", "def fibonacci(n):", "--max-new-tokens", "16", "--dtype", "bfloat16", "--invariant", "on",
+            "--k", "4"] + pair_args
+    inproc = run_json(capsys, args + ["--transport", "inproc"])
+    services = run_json(capsys, args)
+    alone = run_json(capsys, args + ["--mode", "autoregressive", "--transport", "inproc"])
+    assert inproc["token_ids"] == services["token_ids"] == alone["token_ids"]
+
+
+def test_an_unknown_invariant_mode_exits_2(capsys, pair_args):
+    code, _, err = run_cli(capsys, ["run", "x", "--invariant", "sometimes", "--transport", "inproc"] + pair_args)
+    assert code == 2 and "--invariant" in err

@@ -232,7 +232,8 @@ def test_cli_prints_a_server_refusal_as_one_line(tiny_pair, capsys):
     assert ready.wait(120)
     try:
         code = main(["run", "def f():", "--coordinator", state["target"], "--max-new-tokens", "4",
-                     "--verification", "sprinter"])
+                     "--verification", "sprinter", "--verifier", str(verifier_dir),
+                     "--drafter", str(drafter_dir)])  # the cluster's pair: its tokenizer, no smollm2 to convert
     finally:
         state["stop"] = True
         thread.join(60)
