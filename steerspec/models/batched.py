@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from steerspec.models.graphed import can_graph, graphed_step
-from steerspec.models.invariant_pass import invariant_extend
+from steerspec.models.invariant_pass import invariant_extend, row_biases
 from steerspec.models.kv import (
     CachedLM,
     FastCachedLM,
@@ -55,21 +55,6 @@ def can_batch(lms: Sequence[CachedLM]) -> bool:
         if hooked or (steering is not None and steering.active):
             return False
     return True
-
-
-def _row_biases(lms: Sequence[FastCachedLM]) -> Optional[List[Optional[Tensor]]]:
-    """Per layer, the rows' up-projection biases stacked [B, F] (zeros for unbiased rows), or None."""
-    if all(lm.up_bias is None for lm in lms):
-        return None
-    stacked: List[Optional[Tensor]] = []
-    for layer in range(lms[0].num_layers):
-        own = [None if lm.up_bias is None else lm.up_bias[layer] for lm in lms]
-        ref = next((b for b in own if b is not None), None)
-        if ref is None:
-            stacked.append(None)
-            continue
-        stacked.append(torch.stack([torch.zeros_like(ref) if b is None else b.to(ref.device) for b in own]))
-    return stacked
 
 
 @torch.inference_mode()
@@ -127,7 +112,7 @@ def packed_extend(lms: Sequence[CachedLM], feeds: Sequence[Union[Sequence[int], 
     for n in counts:
         spans.append((offset, offset + n))
         offset += n
-    biases = _row_biases(lms)
+    biases = row_biases(lms, [1] * len(lms))  # one row per sequence
     repeat = torch.tensor(counts, device=device)
     linear, rms_norm, sdpa = kernel_linear, rms_normalize, F.scaled_dot_product_attention
     x = F.embedding(torch.cat(ids).to(device), first._embed)  # [N, D]

@@ -115,7 +115,7 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
     for index in layers:
         if not 0 <= index <= first.num_layers:
             raise ValueError(f"layer {index} out of range (model has {first.num_layers} layers)")
-    biases = _row_biases(lms, counts)
+    biases = row_biases(lms, counts)
     x = F.embedding(torch.cat([f.to(device) for f in feeds]), first._embed)  # [N, D]
     plans, head = first.plans_for(rows)
     captured = {}
@@ -179,8 +179,9 @@ def _head(lm, normed: Tensor, head, rows: int) -> Tensor:
     return logits if lm._head_module is None else lm._head_module.scatter(logits)
 
 
-def _row_biases(lms: Sequence, counts: Sequence[int]) -> Optional[List[Optional[Tensor]]]:
-    """Per layer, each token's SD² up-projection bias [N, F] (zeros for unbiased rows), or None."""
+def row_biases(lms: Sequence, counts: Sequence[int]) -> Optional[List[Optional[Tensor]]]:
+    """Per layer, each token's SD² up-projection bias [N, F] (each lm's repeated over its `counts` rows; zeros for
+    unbiased rows), or None: the packed passes' biases, invariant or not."""
     if all(lm.up_bias is None for lm in lms):
         return None
     stacked: List[Optional[Tensor]] = []
