@@ -80,22 +80,31 @@ class TreeKind(BlockKind):
         if len(sessions) == 1 or not can_batch([s.lm for s in sessions]):
             return [self.draft_one(drafter, session) for session in sessions]
         start = time.perf_counter()
-        rows, shapes = [], []
+        shapes = [self.shape(drafter, session) for session in sessions]
         try:
-            for session in sessions:
-                shape = self.shape(drafter, session)
-                row = TreeRow(session.lm, session.committed, shape,
-                              DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k),
-                              session.generator)
-                drafter.steer_first_feed(session, row)
-                rows.append(row)
-                shapes.append(shape)
+            rows = self.rows(drafter, sessions, shapes)
             drafted = draft_trees(rows)
         finally:
             for session in sessions:
                 session.lm.set_up_bias(None)
+        return self.outputs(drafter, shapes, drafted, start)
+
+    @staticmethod
+    def rows(drafter, sessions: Sequence, shapes: Sequence[TreeShape]) -> List[TreeRow]:
+        """Each session's TreeRow for its shape, its first feed steered (`Drafter.steer_first_feed`)."""
+        rows = []
+        for session, shape in zip(sessions, shapes):
+            row = TreeRow(session.lm, session.committed, shape,
+                          DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k), session.generator)
+            drafter.steer_first_feed(session, row)
+            rows.append(row)
+        return rows
+
+    @staticmethod
+    def outputs(drafter, shapes: Sequence[TreeShape], drafted, start: float) -> List[DraftOutput]:
+        """The batch's DraftOutputs, each timed from the batch's start."""
         drafter.sync()
-        outs = [output(shape, d, len(sessions)) for shape, d in zip(shapes, drafted)]
+        outs = [output(shape, d, len(shapes)) for shape, d in zip(shapes, drafted)]
         for out in outs:
             out.draft_ms = (time.perf_counter() - start) * 1e3
         return outs
@@ -121,25 +130,14 @@ class TreeKind(BlockKind):
         if not can_batch([s.lm for s in sessions]):
             return self.draft(drafter, sessions)
         start = time.perf_counter()
-        rows, shapes = [], []
+        shapes = [self.shape(drafter, session) for session in sessions]
         try:
-            for session in sessions:
-                shape = self.shape(drafter, session)
-                row = TreeRow(session.lm, session.committed, shape,
-                              DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k),
-                              session.generator)
-                drafter.steer_first_feed(session, row)
-                rows.append(row)
-                shapes.append(shape)
+            rows = self.rows(drafter, sessions, shapes)
             drafted = yield from draft_tree_steps(rows)
         finally:
             for session in sessions:
                 session.lm.set_up_bias(None)
-        drafter.sync()
-        outs = [output(shape, d, len(sessions)) for shape, d in zip(shapes, drafted)]
-        for out in outs:
-            out.draft_ms = (time.perf_counter() - start) * 1e3
-        return outs
+        return self.outputs(drafter, shapes, drafted, start)
 
     @staticmethod
     def shape(drafter, session) -> TreeShape:
