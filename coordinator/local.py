@@ -30,6 +30,7 @@ from drafter_service.server import DrafterConfig
 from drafter_service.server import serve as serve_drafter
 from steerspec.decoding.sampling import SamplingParams
 from steerspec.models import context_length, load_model
+from steerspec.models.dtype_choice import resolve_path
 from steerspec.models.kernel_path import apply_invariance
 from steerspec.models.layouts import drafter_dtype
 from steerspec.models.loading import apply_threads
@@ -71,7 +72,7 @@ class LocalCluster:
     store: Optional[Store] = None
     tokenizer: object = "auto"
     eos_ids: Optional[Sequence[int]] = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto": the machine's choice (models/dtype_choice.py)
     drafter_dtype: Optional[str] = None  # None: `dtype`; "auto": bfloat16 on a CPU with native bf16 (layouts.drafter_dtype)
     device: str = "cpu"
     invariant: Optional[str] = None  # the verifier's batch-invariant passes: off | on | auto (None: as loaded)
@@ -116,6 +117,12 @@ class LocalCluster:
             self.tracer = get_tracer("coordinator")
         if self.redis_url and self.store is None:
             self.store = await open_store(self.redis_url)
+        if self.dtype == "auto":  # the machine's choice at the threads it will run; a loaded model's own
+            if isinstance(self.verifier, (str, os.PathLike)):
+                self.dtype, self.invariant = resolve_path("auto", self.invariant, self.verifier, self.device,
+                                                          self.num_threads)
+            else:
+                self.dtype = str(next(self.verifier.parameters()).dtype).replace("torch.", "")
         verifier_model = _load(self.verifier, self.dtype, self.device)
         self._threads(verifier_model)
         if self.invariant is not None:

@@ -48,6 +48,7 @@ from steerspec.bench.host import host_info
 from steerspec.bench.processes import Part, free_port
 from steerspec.data.evalsets import load_eval_set
 from steerspec.errors import UsageError
+from steerspec.models.dtype_choice import CHOICES as DTYPE_CHOICES, resolve as resolve_dtype
 from steerspec.models.loading import load_tokenizer
 from steerspec.observability.run_record import command_line
 from steerspec.observability.trace_summary import percentile
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every cell (default: 3)")
     parser.add_argument("--cell-s", type=float, default=20.0, help="seconds of generation per cell (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="the verifier's dtype (default: auto, the machine's choice; the JSON records what it was)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drafters", type=int, default=1, help="drafter processes (default: 1; they batch sessions)")
@@ -159,7 +162,7 @@ class Deployment:
         self.verifier = Part("verifier", "verifier", [], free_port(), workdir, cpus=self.cpus["verifier"],
                              threads=len(self.cpus["verifier"]))
         self.verifier.argv = py + ["verifier", "--port", str(self.verifier.port), "--model", str(args.verifier),
-                                   "--threads", str(len(self.cpus["verifier"])), *quiet]
+                                   "--threads", str(len(self.cpus["verifier"])), "--dtype", args.dtype, *quiet]
         self.drafters = [Part(f"drafter-{i}", "drafter", [], free_port(), workdir, cpus=self.cpus["drafter"])
                          for i in range(args.drafters)]
         for part in self.drafters:
@@ -576,7 +579,9 @@ def run(args: argparse.Namespace) -> int:
                    "cell_s": args.cell_s, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                    "seed": args.seed, "drafters": args.drafters, "slo_factor": args.slo_factor,
                    "placement_cpus": {p: placement_cpus(p, sorted(os.sched_getaffinity(0)))
-                                      for p in args.placement_list}},
+                                      for p in args.placement_list},
+                   "verifier_dtype": {p: resolve_dtype(args.dtype, args.verifier, "cpu", len(
+                       placement_cpus(p, sorted(os.sched_getaffinity(0)))["verifier"])) for p in args.placement_list}},
         "cells": cells,
         "summary": summary,
         "slo": slo(summary, args.slo_factor),

@@ -40,6 +40,8 @@ from steerspec.errors import UsageError
 from steerspec.models.backends import as_cached
 from steerspec.models.checkpoints import ALIASES, BUNDLED_NAMES, resolve_model_dir
 from steerspec.models.kv import CachedLM
+from steerspec.models.dtype_choice import resolve_path
+from steerspec.models.kernel_path import apply_invariance
 from steerspec.models.loading import context_length, eos_token_ids, load_model, load_tokenizer, resolve_device
 from steerspec.observability.run_record import command_line
 from steerspec.policies.fixed import FixedK
@@ -319,7 +321,10 @@ def run(args) -> int:
 
     device = resolve_device(args.device)  # bad or missing devices: one line, exit 2, before any loading
     vdir = resolve_model_dir(args.verifier)
-    verifier = CachedLM(load_model(vdir, dtype=args.dtype, device=device))
+    args.dtype, args.invariant = resolve_path(args.dtype, getattr(args, "invariant", None), vdir, device)
+    verifier_model = load_model(vdir, dtype=args.dtype, device=device)
+    apply_invariance(verifier_model, args.invariant or "off")
+    verifier = CachedLM(verifier_model)
     tok = load_tokenizer(vdir)
     dirs = drafter_dirs(drafter_specs)
     drafters = {}

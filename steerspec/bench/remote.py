@@ -46,6 +46,8 @@ from steerspec.decoding.trees import parse_tree
 from steerspec.errors import UsageError, float_list
 from steerspec.models import load_model
 from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.dtype_choice import resolve_path
+from steerspec.models.kernel_path import apply_invariance
 from steerspec.models.loading import resolve_device
 from steerspec.observability.run_record import command_line, tokens_digest
 from steerspec.observability.trace_summary import percentile
@@ -260,6 +262,7 @@ class RayCluster:
         options = _verifier_options(args)
         services = Services(verifier=str(args.verifier_dir), drafter=str(args.drafter_dir), drafters=args.drafters,
                             dtype=args.dtype, drafter_dtype=args.drafter_dtype, device="cuda" if gpus else "cpu",
+                            invariant=args.invariant,
                             tokenizer=str(args.verifier_dir),
                             num_threads=args.threads if args.threads > 0 else None, trace_file=self.trace_file,
                             verifier_options=options)
@@ -676,8 +679,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, eos = load_tokenizer_and_eos(str(verifier_dir))
     prompts = _prompts(args, tokenizer)
 
+    args.dtype, args.invariant = resolve_path(args.dtype, getattr(args, "invariant", None), verifier_dir, device)
     args.drafter_dtype = drafter_dtype_of(args)  # resolved once: the engine row and the services load the same
     verifier = load_model(verifier_dir, dtype=args.dtype, device=device)
+    apply_invariance(verifier, args.invariant or "off")  # the services share this model, and its plan
     drafter = load_model(drafter_dir, dtype=args.drafter_dtype, device=device)
     started = time.time()
     measured = asyncio.run(_measure(args, verifier, drafter, str(verifier_dir), prompts, eos))
@@ -685,7 +690,7 @@ def run(args: argparse.Namespace) -> int:
         "command": invoked,
         "config": {"verifier": args.verifier, "drafter": args.drafter, "deployment": args.deployment,
                    "drafters": args.drafters, "device": str(device), "dtype": args.dtype,
-                   "drafter_dtype": args.drafter_dtype,
+                   "invariant": args.invariant, "drafter_dtype": args.drafter_dtype,
                    "rtt_ms": args.rtt_list,
                    "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k,
                    "draft_top_k": args.draft_top_k, "temperature": args.temperature, "top_k": args.top_k,

@@ -37,6 +37,7 @@ from steerspec.decoding.sampling import SamplingParams
 from steerspec.errors import UsageError
 from steerspec.models import load_model
 from steerspec.models.checkpoints import resolve_model_dir
+from steerspec.models.dtype_choice import resolve as resolve_dtype
 from steerspec.models.graphed import GraphedLM, StaticKVPool
 from steerspec.models.kv import FastCachedLM
 from steerspec.models.loading import cache_kwarg, resolve_device
@@ -269,7 +270,10 @@ def _table(report: Dict[str, Any]):
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)  # a bad or absent device: one line, exit 2, before loading
-    dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
+    if args.threads > 0:  # before `auto` is timed: at the threads the steps run at
+        torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, args.verifier, device, None) if not args.dtypes else ""
+    dtypes = [d.strip() for d in (args.dtypes or dtype).split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
         raise UsageError(f"--dtypes takes {', '.join(DTYPES)}; got {args.dtypes!r}")
@@ -277,8 +281,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--k must be 1..64, --iters >= 1, --warmup >= 0, --prefix >= 1")
     args.verifier, args.drafter = str(resolve_model_dir(args.verifier)), str(resolve_model_dir(args.drafter))
     args.device = str(device)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     started = time.time()
     report: Dict[str, Any] = {
         "command": f"steerspec bench step --dtypes {','.join(dtypes)} --k {args.k} --temperature {args.temperature} "

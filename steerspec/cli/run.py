@@ -34,6 +34,7 @@ from steerspec.models import context_length, eos_token_ids, load_model, load_tok
 from steerspec.models.backends import cached_lm
 from steerspec.models.kv import FastCachedLM
 from steerspec.models.layouts import DRAFTER_DTYPES, drafter_dtype
+from steerspec.models.dtype_choice import CHOICES as DTYPE_CHOICES, resolve_path
 from steerspec.models.kernel_path import MODES as INVARIANT_MODES, apply_invariance
 from steerspec.models.loading import apply_threads, check_swiglu
 from steerspec.policies import PolicyContext, PolicyError, make_policy
@@ -56,7 +57,9 @@ DEFAULT_POLICY = "load"  # chains where no tree can run; the default tree is siz
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --drafter-dtype and --device: where the models compute (shared with the benchmarks)."""
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="the verifier's dtype (default: auto = bfloat16 on a CPU with native bf16 where this "
+                             "machine's timing (cached) of its passes, batch-invariant, beats float32's; else float32)")
     parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
                         help="the drafter's dtype (default: auto = bfloat16 on a CPU with native bf16 when --dtype "
                              "is float32, else --dtype); it moves acceptance only, the output stays the verifier's")
@@ -176,9 +179,11 @@ def validate_decoding_args(args: argparse.Namespace) -> SamplingParams:
 
 def load_pair(args: argparse.Namespace, need_drafter: bool = True):
     """(verifier, drafter or None, tokenizer) from --verifier/--drafter/--dtype/--device."""
+    args.dtype, args.invariant = resolve_path(args.dtype, getattr(args, "invariant", None), args.verifier, args.device,
+                                              getattr(args, "threads", 0))
     verifier = load_model(args.verifier, dtype=args.dtype, device=args.device)
     apply_threads(getattr(args, "threads", 0), verifier)
-    apply_invariance(verifier, getattr(args, "invariant", "off"))  # timed (once per machine) at the thread count in use
+    apply_invariance(verifier, args.invariant or "off")  # timed (once per machine) at the thread count in use
     tokenizer = load_tokenizer(args.verifier)
     drafter = None
     if need_drafter:

@@ -1,11 +1,11 @@
 """The kernel path a verifier computes on: batch-invariant or not, and the invariant row bucket, chosen on the machine.
 
-`apply_invariance(model, mode)` is what `load_model(..., invariant=mode)` calls: "off" leaves the model's passes as
-they are; "on" makes them batch-invariant (models/invariant_pass.py) with the row bucket `choose_rows` picks; "auto"
-turns them on for a bfloat16 or float16 verifier where, on this machine, an invariant verify-sized pass costs at
-most 1/0.9 of the ordinary one (`INVARIANT_MIN_SPEED`); a float32 verifier stays as it was under "auto" (its output
-already matched the verifier alone's in every test, and its invariant passes cost more: "on" asks for them). Both timings are made once per machine (CPU model and flags), model, dtype and thread
-count and kept in ~/.cache/steerspec/kernel-paths.json; $STEERSPEC_INVARIANT (on|off|auto) and
+`apply_invariance(model, mode)` is what the entry points call after loading a verifier: "off" leaves the model's
+passes as they are; "on" makes them batch-invariant (models/invariant_pass.py) with the row bucket timed fastest here;
+"auto" turns them on where, on this machine, an invariant one-token step plus a chain k = 4 verify pass cost at most
+1/0.9 of the ordinary ones (`INVARIANT_MIN_SPEED`), in any dtype (float32's invariant passes cost 1.2-2x on the VMs
+measured, so it stays ordinary there). Both timings are made once per machine (CPU model and flags), model, dtype
+and thread count and kept in ~/.cache/steerspec/kernel-paths.json; $STEERSPEC_INVARIANT (on|off|auto) and
 $STEERSPEC_INVARIANT_ROWS override. Invariance is a CPU path: asking for it on another device is refused.
 """
 
@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -69,9 +69,6 @@ def apply_invariance(model, mode: str = "off") -> Optional[InvariantPlan]:
                              "use --invariant off (or auto) there")
         set_invariant(model, None)
         return None
-    if mode == "auto" and next(model.parameters()).dtype == torch.float32:
-        set_invariant(model, None)
-        return None
     verdict = machine_verdict(model)
     if mode == "auto" and not verdict["invariant"]:
         set_invariant(model, None)
@@ -105,22 +102,26 @@ def cache_key(model) -> str:
 
 def machine_verdict(model) -> Dict[str, object]:
     """{"invariant": bool, "rows": R, "ms": {...}} for `model` on this machine: cached, else timed now and cached."""
+    return cached(cache_key(model), lambda: time_paths(model))
+
+
+def cached(key: str, compute: Callable[[], Dict[str, object]]) -> Dict[str, object]:
+    """The kernel-path cache's entry `key`, else compute() stored under it (a read-only cache: computed each time)."""
     path = cache_root() / CACHE_FILE
-    key = cache_key(model)
-    cached = _read(path)
-    if key in cached:
-        return cached[key]
-    verdict = time_paths(model)
-    cached = _read(path)
-    cached[key] = verdict
+    entries = _read(path)
+    if key in entries:
+        return entries[key]
+    value = compute()
+    entries = _read(path)
+    entries[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only cache: time again next load
-    return verdict
+        pass
+    return value
 
 
 def _read(path: Path) -> Dict[str, Dict[str, object]]:
@@ -128,6 +129,24 @@ def _read(path: Path) -> Dict[str, Dict[str, object]]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def time_rows(lms: Dict[str, object], plans: Dict[str, Optional[InvariantPlan]], rows, ids, prefix: int,
+              repeats: int) -> Dict[str, Dict[str, float]]:
+    """Median ms of a pass of each of `rows` rows after a `prefix`-token cache, for each named cached LM (its model
+    under its plan), interleaved; the first round warms up."""
+    times: Dict[str, Dict[int, list]] = {name: {n: [] for n in rows} for name in lms}
+    for attempt in range(repeats + 1):
+        for n in rows:
+            for name, lm in lms.items():
+                set_invariant(lm.model, plans[name])
+                t0 = time.perf_counter()
+                lm.extend(ids[prefix:prefix + n])
+                elapsed = time.perf_counter() - t0
+                lm.rollback(prefix)
+                if attempt:
+                    times[name][n].append(elapsed)
+    return {name: {str(n): round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()} for name, by_n in times.items()}
 
 
 def time_paths(model, repeats: int = 5, prefix: int = 64) -> Dict[str, object]:
@@ -144,20 +163,8 @@ def time_paths(model, repeats: int = 5, prefix: int = 64) -> Dict[str, object]:
         set_invariant(model, plan)
         lms[name] = FastCachedLM(model, capacity=prefix + 32)
         lms[name].extend(ids[:prefix])
-    times: Dict[str, Dict[int, list]] = {name: {n: [] for n in TIMED_ROWS} for name in paths}
-    for attempt in range(repeats + 1):
-        for n in TIMED_ROWS:
-            for name, plan in paths.items():
-                set_invariant(model, plan)
-                lm = lms[name]
-                t0 = time.perf_counter()
-                lm.extend(ids[prefix:prefix + n])
-                elapsed = time.perf_counter() - t0
-                lm.rollback(prefix)
-                if attempt:  # the first round warms up
-                    times[name][n].append(elapsed)
+    ms = time_rows(lms, paths, TIMED_ROWS, ids, prefix, repeats)
     set_invariant(model, None)
-    ms = {name: {str(n): round(statistics.median(t) * 1e3, 3) for n, t in by_n.items()} for name, by_n in times.items()}
     cost = {name: sum(by_n.values()) for name, by_n in ms.items()}
     best = min(ROW_BUCKETS, key=lambda r: cost[f"rows{r}"])
     return {"invariant": cost["plain"] >= INVARIANT_MIN_SPEED * cost[f"rows{best}"], "rows": best, "ms": ms}

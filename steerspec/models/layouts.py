@@ -130,6 +130,8 @@ def drafter_dtype(requested: Optional[str], dtype: str, device: str = "cpu") -> 
     """The dtype a drafter loads in: `requested`, or the verifier's `dtype` when None; "auto" is bfloat16 on a CPU
     with native bf16 when the verifier runs in float32 (the drafter's precision only moves its acceptance, never
     the output, which stays the verifier's), else the verifier's dtype."""
+    if dtype == "auto":  # the verifier's dtype is the machine's choice, float32 or (native CPUs) bfloat16: either way
+        requested, dtype = (requested or "auto"), "float32"  # a drafter on a native CPU computes in bfloat16
     if requested is None or requested == dtype:
         return dtype
     if requested == "auto":

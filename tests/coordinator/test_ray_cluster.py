@@ -251,3 +251,27 @@ def test_ray_deployment_serves_tls_and_tokens(ray_cluster, tiny_pair, tmp_path, 
     finally:
         deployment.shutdown()
         security.reset()
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"], ids=["greedy", "seeded"])
+@pytest.mark.slow
+def test_bfloat16_invariant_verifier_agrees_in_process_through_the_services_and_on_ray(ray_cluster, capsys,
+                                                                                     temperature):
+    """With the verifier in bfloat16 on its batch-invariant path, a seed gives the same tokens in process, through
+    the local services and on Ray (issue 50, item 3); greedy, they are the bfloat16 verifier alone's."""
+    from steerspec.cli import main
+
+    argv = ["run", "def parse(line):", "--verifier", "verifier", "--drafter", "pretrained", "--max-new-tokens", "24",
+            "--temperature", temperature, "--seed", "7", "--k", "4", "--threads", "1", "--json",
+            "--dtype", "bfloat16", "--invariant", "on"]
+    runs = {}
+    for name, where in {"ray": ["--transport", "grpc", "--deployment", "ray"],
+                        "services": ["--transport", "grpc", "--deployment", "local"],
+                        "in process": ["--transport", "inproc"],
+                        "alone": ["--transport", "inproc", "--mode", "autoregressive"]}.items():
+        assert main([*argv, *where]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["ray"]["deployment"] == "ray" and len(runs["ray"]["token_ids"]) == 24
+    assert runs["ray"]["token_ids"] == runs["services"]["token_ids"] == runs["in process"]["token_ids"]
+    if temperature == "0":
+        assert runs["in process"]["token_ids"] == runs["alone"]["token_ids"]
