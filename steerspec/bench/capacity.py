@@ -12,7 +12,8 @@ tokens at `--temperature` (seeded), for `--cell-s` seconds; `--arrival-rate` rep
 Poisson arrivals at those rates (sessions/s). Modes: `verifier` (the verifier alone: one token per round trip,
 batched across sessions), `k<N>` (chains of N drafts), `tree` (the default draft tree; `tree=SPEC` another),
 `default` (what a request that names nothing gets); `<mode>+ahead` is the mode with drafting ahead on
-(drafter_service/ahead.py; the plain mode takes the drafter's default). The modes run interleaved cell by cell (their order
+(drafter_service/ahead.py; the plain mode takes the drafter's default), `<mode>+aheadN` preparing N verdicts per
+block. The modes run interleaved cell by cell (their order
 rotates each repeat), and every cell is repeated `--repeats` times.
 
 Per cell: goodput (tokens committed in the cell's window over all clients, per second), time per output token
@@ -102,12 +103,15 @@ AHEAD_SUFFIX = "+ahead"
 
 def mode_request(name: str) -> Dict[str, object]:
     """The SDK keywords of a mode: `verifier`, `k<N>`, `tree` / `tree=SPEC`, `load`, `default` (what a request that
-    names nothing gets), any but `verifier` with `+ahead` (drafting ahead on); UsageError otherwise."""
-    if name.endswith(AHEAD_SUFFIX) and name != AHEAD_SUFFIX:
-        base = name[: -len(AHEAD_SUFFIX)]
+    names nothing gets), any but `verifier` with `+ahead` (drafting ahead on) or `+aheadN` (N verdicts prepared per
+    block); UsageError otherwise."""
+    if AHEAD_SUFFIX in name and not name.startswith(AHEAD_SUFFIX):
+        base, count = name.rsplit(AHEAD_SUFFIX, 1)
+        if count and not count.isdigit():
+            raise UsageError(f"unknown mode {name!r}: `+ahead` takes an optional verdict count, e.g. tree+ahead16")
         if base == "verifier":
             raise UsageError("verifier+ahead: the verifier alone drafts nothing to draft ahead")
-        return {**mode_request(base), "draft_ahead": "on"}
+        return {**mode_request(base), "draft_ahead": "on", **({"ahead_outcomes": int(count)} if count else {})}
     if name == "verifier":
         return {"mode": "autoregressive"}
     if name == "default":
@@ -376,8 +380,8 @@ def summarize(cells: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
         r["over_verifier_alone"] = round(r["goodput"] / base, 3) if base else None
     by_mode = {(r["placement"], r["rtt_ms"], r["load"], r["mode"]): r["goodput"] for r in out}
     for r in out:  # drafting ahead against the same mode drafting after the result
-        if r["mode"].endswith(AHEAD_SUFFIX):
-            base = by_mode.get((r["placement"], r["rtt_ms"], r["load"], r["mode"][: -len(AHEAD_SUFFIX)]))
+        if AHEAD_SUFFIX in r["mode"]:
+            base = by_mode.get((r["placement"], r["rtt_ms"], r["load"], r["mode"].rsplit(AHEAD_SUFFIX, 1)[0]))
             r["over_without_ahead"] = round(r["goodput"] / base, 3) if base else None
     return out
 
