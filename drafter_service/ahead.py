@@ -4,7 +4,8 @@ for the verdicts it finds likeliest, in idle time, so that a hit sends the next 
 After a block leaves (the stream has written it), `Ahead.start` schedules a task on the event loop that
 1. ranks the block's verdicts (`BlockKind.outcomes`: the accepted drafts, a tree's path, and the next token after
    them, by the drafter's own probabilities, from one idle pass), then
-2. prepares the likeliest `AheadConfig.outcomes` together: per verdict a fork of the session's cache
+2. prepares the likeliest `AheadConfig.outcomes` together (split among the sessions preparing at once, at least
+   one each: `share`): per verdict a fork of the session's cache
    (`FastCachedLM.fork`) and a shadow session with the verdict committed to it (`BlockKind.feedback` on the fork:
    the same rollback or path keep the real verdict makes) and its generator seeded from the session's seed and the
    shadow's committed length (`rounds.block_seed`); then the kind drafts every shadow's block in one batch
@@ -187,6 +188,7 @@ class Ahead:
         count, budget_ms = self.limits(session)
         if not await self.idle(work):
             return
+        count = self.share(count)
         outcomes, shadows, ms = await self.background(session, work, self.rank, session, count)
         work.spent_ms += ms
         if not shadows or (budget_ms and work.spent_ms >= budget_ms):
@@ -205,6 +207,12 @@ class Ahead:
         work.steps = None
         stale = session.steering is not None
         work.ready = [Prepared(o, out, shadow.lm, stale) for o, out, shadow in zip(outcomes, outs, shadows)]
+
+    def share(self, count: int) -> int:
+        """This session's share of `count` verdicts when others prepare too (at least one): the one worker drafts
+        every session's prepared blocks, and work finished after the result is wasted."""
+        preparing = sum(1 for work in self.work.values() if work.task is not None and not work.task.done())
+        return max(1, count // max(1, preparing)) if count else 0
 
     def rank(self, session: DrafterSession, count: int) -> Tuple[List[Outcome], List[DrafterSession], float]:
         """On the worker: the likeliest `count` verdicts, a shadow session for each, and the milliseconds taken."""
