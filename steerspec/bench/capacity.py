@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop clients per cell (default: 1..32)")
     parser.add_argument("--arrival-rate", default=None,
                         help="open loop instead: Poisson arrival rates in sessions/s, comma-separated")
-    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"modes (default: {DEFAULT_MODES})")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"modes (default: {DEFAULT_MODES}); `<mode>+ahead` or `<mode>+aheadN`: with drafting "
+                             "ahead on (N verdicts per block)")
     parser.add_argument("--rtt-ms", default="0,50,100", help="emulated RTTs, one coordinator each (default: 0,50,100)")
     parser.add_argument("--placements", default="edge,colocated", help="edge, colocated or both (default: both)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every cell (default: 3)")
