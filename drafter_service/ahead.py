@@ -159,8 +159,10 @@ class Ahead:
         except asyncio.CancelledError:
             raise
         except Exception:  # e.g. out of memory: drafting ahead is an optimisation, never the session's failure
-            log.exception("drafting ahead failed for session %s; it drafts after its results", session.session_id)
             work.ready.clear()
+            if not self.worker.closed:  # shutting down is no failure
+                log.exception("drafting ahead failed for session %s; it drafts after its results",
+                              session.session_id)
 
     async def background(self, session: DrafterSession, work: Work, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` as a background job on the worker, the session's cache kept until it has returned even if

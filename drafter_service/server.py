@@ -124,7 +124,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
 
     async def close(self) -> None:
         for session in list(self.table.sessions.values()):
-            self.table.close(session)
+            self.close_session(session)
         await self.batcher.close()
 
     def stats(self) -> common_pb2.ServiceStats:

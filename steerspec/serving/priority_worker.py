@@ -47,6 +47,11 @@ class PriorityWorker:
             self._cond.notify()
         return future
 
+    @property
+    def closed(self) -> bool:
+        """Whether it has shut down (it takes no more jobs)."""
+        return self._closed
+
     def waiting(self, priority: int = URGENT) -> int:
         """Jobs queued (not running) at `priority`."""
         with self._cond:
