@@ -4,20 +4,24 @@ for the verdicts it finds likeliest, in idle time, so that a hit sends the next 
 After a block leaves (the stream has written it), `Ahead.start` schedules a task on the event loop that
 1. ranks the block's verdicts (`BlockKind.outcomes`: the accepted drafts, a tree's path, and the next token after
    them, by the drafter's own probabilities, from one idle pass), then
-2. prepares the likeliest `AheadConfig.outcomes` together: per verdict a fork of the session's cache
+2. prepares the likeliest `AheadConfig.outcomes` together (split among the sessions preparing at once, at least
+   one each: `share`): per verdict a fork of the session's cache
    (`FastCachedLM.fork`) and a shadow session with the verdict committed to it (`BlockKind.feedback` on the fork:
    the same rollback or path keep the real verdict makes) and its generator seeded from the session's seed and the
    shadow's committed length (`rounds.block_seed`); then the kind drafts every shadow's block in one batch
    (`BlockKind.draft_steps`: one batched pass per draft step, as for sessions drafted together); past `budget_ms`
    of drafter time (a loaded host) it stops and prepares nothing for this block.
-The task yields to the event loop after every drafter pass and waits while any session's real draft is queued, so
-prepared work yields to real requests within one drafter step (on a CPU every pass runs on the loop's thread:
-steerspec/serving/compute.py). The session's own cache is never touched by prepared work (the ranking pass puts it
-back before yielding), so `stop` only ends the task.
+The compute runs on the drafter's `PriorityWorker` (steerspec/serving/priority_worker.py: the one thread that owns
+the model), off the event loop, as background jobs of one drafter pass each (the ranking; each draft step): a real
+draft request of any session is an urgent job, which runs before any queued background job, so prepared work
+delays it by at most the one step running when it arrives; the task also waits while real drafts are queued in
+the batcher. Meanwhile the loop keeps serving streams and timers. The session's own cache is only read by the
+ranking job (which puts it back); `take` stops the task and waits for a job still running, so the result is
+committed to a cache no other thread is using.
 
-When the result arrives, `take` stops the task and returns the prepared block for the actual verdict, if any: the
-server commits the verdict as always and `use` copies the fork's slots after the committed prefix into the
-session's cache (`FastCachedLM.save` / `load`), which then holds the committed prefix and the prepared block's
+When the result arrives, `take` returns the prepared block for the actual verdict, if any: the server commits the
+verdict as always and `use` copies the fork's slots after the committed prefix into the session's cache
+(`FastCachedLM.save` / `load`, on the worker), which then holds the committed prefix and the prepared block's
 drafts exactly as drafting after the result would have left them. Otherwise it drafts as without drafting ahead.
 
 Exactness: a prepared block is drawn from the drafter's distribution given exactly the committed prefix, with the
@@ -28,11 +32,10 @@ result; a prepared block is drafted with the vector of the block in flight (`ste
 still exact, since the verifier tests it against the q it was drawn from; with SD² a seed fixes the output for a
 given setting of drafting ahead.
 
-A drafter whose passes run on a compute thread (a GPU: steerspec/serving/compute.py) does not draft ahead, since
-prepared passes run on the event loop's thread and must not overlap real ones. Sessions whose cache is not the
-lean one (`FastCachedLM`: a GPU's graphed slot, transformers' cache), whose kind
-ranks no verdicts (`BlockKind.outcomes` []: SPRINTER runs) or whose policy stops blocks early (it learns while
-drafting) do not draft ahead.
+A drafter without a worker (a GPU model, whose passes run on the batcher's compute thread) does not draft ahead.
+Sessions whose cache is not the lean one (`FastCachedLM`: transformers' cache), whose kind ranks no verdicts
+(`BlockKind.outcomes` []: SPRINTER runs) or whose policy stops blocks early (it learns while drafting) do not draft
+ahead.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Generator, List, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
 from drafter_service.ahead_args import DEFAULT_BUDGET_MS, DEFAULT_ENABLED, DEFAULT_OUTCOMES
 from drafter_service.draft_sessions import Drafter, DrafterSession, DraftOutput
@@ -49,10 +53,10 @@ from steerspec.blocks.block_kind import Verdict
 from steerspec.decoding import rounds
 from steerspec.decoding.outcomes import Outcome
 from steerspec.models.kv import FastCachedLM
+from steerspec.serving.batching import free_cache
+from steerspec.serving.priority_worker import BACKGROUND, URGENT, PriorityWorker
 
 log = logging.getLogger(__name__)
-
-
 
 @dataclass(frozen=True)
 class AheadConfig:
@@ -83,6 +87,7 @@ class Work:
     spent_ms: float = 0.0
     steps: Optional[Generator] = None  # the batched draft in progress
     stopped: bool = False
+    running: Optional[Future] = None  # the background job last handed to the worker
 
 
 @dataclass
@@ -99,10 +104,11 @@ class AheadReport:
 class Ahead:
     """The drafter service's drafting ahead: one task per session with a block in flight."""
 
-    def __init__(self, drafter: Drafter, config: AheadConfig, busy: Callable[[], bool], inline: bool = True) -> None:
+    def __init__(self, drafter: Drafter, config: AheadConfig, busy: Callable[[], bool],
+                 worker: Optional[PriorityWorker]) -> None:
         self.drafter = drafter
         self.config = config
-        self.inline = inline  # the drafter's passes run on the event loop's thread (a CPU), as prepared ones do
+        self.worker = worker  # the thread that owns the model (None: this drafter does not draft ahead)
         self.busy = busy  # whether a real draft is queued
         self.work: Dict[str, Work] = {}
         self.pending: Dict[str, Prepared] = {}  # a hit between `take` and `use`
@@ -115,7 +121,7 @@ class Ahead:
     def wants(self, session: DrafterSession) -> bool:
         """Whether the session drafts ahead (its own setting, else the server's) and can."""
         on = self.config.enabled if session.ahead is None else session.ahead
-        return bool(on) and self.inline and isinstance(session.lm, FastCachedLM) and \
+        return bool(on) and self.worker is not None and isinstance(session.lm, FastCachedLM) and \
             not getattr(session.policy, "stops_early", False)
 
     def limits(self, session: DrafterSession):
@@ -153,43 +159,90 @@ class Ahead:
         except asyncio.CancelledError:
             raise
         except Exception:  # e.g. out of memory: drafting ahead is an optimisation, never the session's failure
-            log.exception("drafting ahead failed for session %s; it drafts after its results", session.session_id)
             work.ready.clear()
+            if not self.worker.closed:  # shutting down is no failure
+                log.exception("drafting ahead failed for session %s; it drafts after its results",
+                              session.session_id)
+
+    async def background(self, session: DrafterSession, work: Work, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` as a background job on the worker, the session's cache kept until it has returned even if
+        the session closes meanwhile (`free_cache`); its result (cancelling the wait cancels a job not started)."""
+        loop = asyncio.get_running_loop()
+        future = self.worker.submit(fn, *args, priority=BACKGROUND)
+        work.running = future
+        session.in_compute += 1
+
+        def release() -> None:  # on the event loop, once the job has finished or was cancelled
+            session.in_compute -= 1
+            free_cache(session)
+
+        def done(_future: Future) -> None:  # on the worker (or the loop, when cancelled before it ran)
+            try:
+                loop.call_soon_threadsafe(release)
+            except RuntimeError:  # the loop has closed (shutdown): nothing is left to free
+                pass
+
+        future.add_done_callback(done)
+        return await asyncio.wrap_future(future, loop=loop)
 
     async def prepare(self, session: DrafterSession, work: Work) -> None:
         """Rank the block's verdicts, then draft the next block for the likeliest, batched (the module docstring)."""
         count, budget_ms = self.limits(session)
         if not await self.idle(work):
             return
-        start = time.perf_counter()
-        outcomes = session.kind.outcomes(self.drafter, session, count)
-        shadows = [self.shadow(session, outcome) for outcome in outcomes]
-        work.spent_ms += (time.perf_counter() - start) * 1e3
+        count = self.share(count)
+        outcomes, shadows, ms = await self.background(session, work, self.rank, session, count)
+        work.spent_ms += ms
         if not shadows or (budget_ms and work.spent_ms >= budget_ms):
-            return
-        if not await self.idle(work):
             return
         work.steps = session.kind.draft_steps(self.drafter, shadows)
         while True:
-            start = time.perf_counter()
-            try:
-                next(work.steps)
-                outs = None
-            except StopIteration as done:
-                outs = done.value
-            finally:
-                work.spent_ms += (time.perf_counter() - start) * 1e3
+            if not await self.idle(work):
+                return  # `stop` closes the draft
+            outs, ms = await self.background(session, work, self.step, work.steps)
+            work.spent_ms += ms
             if outs is not None:
                 break
             if budget_ms and work.spent_ms >= budget_ms:  # a loaded host: give the time back, prepare nothing
-                work.steps.close()
-                work.steps = None
+                self.close_steps(work)
                 return
-            if not await self.idle(work):
-                return  # `stop` closed the draft
         work.steps = None
         stale = session.steering is not None
         work.ready = [Prepared(o, out, shadow.lm, stale) for o, out, shadow in zip(outcomes, outs, shadows)]
+
+    def share(self, count: int) -> int:
+        """This session's share of `count` verdicts when others prepare too (at least one): the one worker drafts
+        every session's prepared blocks, and work finished after the result is wasted."""
+        preparing = sum(1 for work in self.work.values() if work.task is not None and not work.task.done())
+        return max(1, count // max(1, preparing)) if count else 0
+
+    def rank(self, session: DrafterSession, count: int) -> Tuple[List[Outcome], List[DrafterSession], float]:
+        """On the worker: the likeliest `count` verdicts, a shadow session for each, and the milliseconds taken."""
+        start = time.perf_counter()
+        outcomes = session.kind.outcomes(self.drafter, session, count)
+        shadows = [self.shadow(session, outcome) for outcome in outcomes]
+        return outcomes, shadows, (time.perf_counter() - start) * 1e3
+
+    @staticmethod
+    def step(steps: Generator) -> Tuple[Optional[List[DraftOutput]], float]:
+        """On the worker: one drafter pass of a batched draft; (its outputs once finished else None, ms taken)."""
+        start = time.perf_counter()
+        try:
+            next(steps)
+            outs = None
+        except StopIteration as finished:
+            outs = finished.value
+        return outs, (time.perf_counter() - start) * 1e3
+
+    def close_steps(self, work: Work) -> None:
+        """End a batched draft on the worker (its cleanup, the forks' up_bias, runs after a step in flight)."""
+        steps, work.steps = work.steps, None
+        if steps is None:
+            return
+        try:
+            self.worker.submit(steps.close, priority=URGENT)
+        except RuntimeError:  # the worker has shut down: the draft is dropped with it
+            pass
 
     def shadow(self, session: DrafterSession, outcome: Outcome) -> DrafterSession:
         """A copy of the session in a fork of its cache, with `outcome` committed (the fork rolled back or its path
@@ -210,17 +263,19 @@ class Ahead:
         work.stopped = True
         if work.task is not None and not work.task.done():
             work.task.cancel()
-        if work.steps is not None:
-            work.steps.close()  # its cleanup (the forks' up_bias) runs now
-            work.steps = None
+        self.close_steps(work)
         return work
 
-    def take(self, session: DrafterSession, accepted: int, next_token: int, path: Sequence[int]) -> AheadReport:
-        """Stop preparing; the report for the next block, with the prepared block for the actual verdict if any
+    async def take(self, session: DrafterSession, accepted: int, next_token: int,
+                   path: Sequence[int]) -> AheadReport:
+        """Stop preparing and wait for a job still running (at most one drafter pass), so that the session's cache
+        is the loop's again; the report for the next block, with the prepared block for the actual verdict if any
         (`report.hit`; `use` then loads it once the verdict is committed)."""
         work = self.stop(session)
         if work is None:
             return AheadReport()
+        if work.running is not None and not work.running.done():
+            await asyncio.wait([asyncio.wrap_future(work.running)])  # its result or error is dropped
         report = AheadReport(on=True, prepared=len(work.ready), ahead_ms=work.spent_ms)
         self.blocks += 1
         self.prepared_total += len(work.ready)
@@ -236,14 +291,21 @@ class Ahead:
                 break
         return report
 
-    def use(self, session: DrafterSession) -> Optional[DraftOutput]:
-        """The hit `take` found, its cache slots loaded (the verdict committed first); None when it missed."""
+    async def use(self, session: DrafterSession) -> Optional[DraftOutput]:
+        """The hit `take` found, its cache slots loaded on the worker (the verdict committed first); None when it
+        missed. Its draft_ms is the load's: the drafting left on the critical path."""
         item = self.pending.pop(session.session_id, None)
         if item is None:
             return None
+        ms = await asyncio.wrap_future(self.worker.submit(self.load, session, item, priority=URGENT))
+        return replace(item.out, draft_ms=ms)
+
+    @staticmethod
+    def load(session: DrafterSession, item: Prepared) -> float:
+        """On the worker: the prepared fork's slots after the committed prefix into the session's cache; ms taken."""
         start = time.perf_counter()
         session.lm.load(item.cache.save(len(session.committed) - 1 - item.outcome.accepted))
-        return replace(item.out, draft_ms=(time.perf_counter() - start) * 1e3)
+        return (time.perf_counter() - start) * 1e3
 
     def drop(self, session: DrafterSession) -> None:
         """Forget a session's work (closing, or its last result)."""

@@ -2,9 +2,10 @@
 
 `DraftBatcher` collects the sessions that ask for a block for at most `window_s` (ending early
 once every active session has asked) and hands them to `draft_many` (Drafter.draft_many: one
-batched forward pass per draft step), so the per-step Python cost is paid once per batch: on the
-event loop's thread for a CPU model (steerspec/serving/compute.py), else on a single compute thread, where
-a lone session drafts inline on the event loop (no thread hop, no wait).
+batched forward pass per draft step), so the per-step Python cost is paid once per batch: for a CPU model on
+the drafter's `PriorityWorker` (the one thread that owns the model, urgent before drafting ahead:
+steerspec/serving/priority_worker.py), else on a single compute thread, where a lone session drafts inline on the
+event loop (no thread hop, no wait).
 Requests that arrive while a batch computes form the next batch.
 """
 
@@ -34,9 +35,9 @@ class DraftBatcher(WindowBatcher[DraftJob, DraftOutput]):
     """Draft requests of concurrent sessions served by one `draft_many` call on one compute thread."""
 
     def __init__(self, draft_many: DraftMany, window_s: float, expected: Callable[[], int],
-                 max_batch: int = 64, inline: bool = False) -> None:
+                 max_batch: int = 64, inline: bool = False, executor=None) -> None:
         super().__init__(lambda jobs: draft_many([job.session for job in jobs]), window_s, expected,
-                         max_batch=max_batch, thread_name="draft", inline=inline)
+                         max_batch=max_batch, thread_name="draft", inline=inline, executor=executor)
 
     async def submit(self, session: DrafterSession) -> DraftOutput:  # type: ignore[override]
         """Draft the session's next block, batched with whoever asks at about the same time."""

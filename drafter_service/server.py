@@ -8,11 +8,14 @@ Stream protocol (proto/steerspec/v1/drafter.proto; decoding protocol: steerspec/
 A bad feedback gets an in-stream StreamError and changes nothing; an invalid open (or a first
 message that is not an open) aborts the stream with a status code.
 Blocks of sessions that ask at about the same time are drafted together (drafter_service/draft_batcher.py,
---draft-batch-window-ms); `batcher.batches` / `batcher.batched_blocks` count them.
+--draft-batch-window-ms); `batcher.batches` / `batcher.batched_blocks` count them. A CPU model's passes all run on
+one `PriorityWorker` thread (steerspec/serving/priority_worker.py): real drafts urgent, drafting ahead
+(drafter_service/ahead.py) in the background, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from steerspec.observability import tracing
 from steerspec.policies.base import MAX_K, BlockFeedback
 from steerspec.serving import wire
 from steerspec.serving.compute import inline_compute
+from steerspec.serving.priority_worker import PriorityWorker
 from steerspec.serving.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, start_server
 from steerspec.serving.identity import ModelIdentity, describe_model, drafter_fix, mismatch_message, pair_differences
 from steerspec.serving.session_stream import SessionStreamServicer, StreamSpec
@@ -106,11 +110,13 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         self.identity = config.identity or describe_model(
             model, config.model_name, steering=getattr(hooks, "steering", None), role="drafter")
         self.table = DrafterSessionTable(model, config.max_sessions)
+        # a CPU model: every pass on one thread that owns it, real drafts before drafting ahead (priority_worker.py)
+        self.worker = PriorityWorker("drafter") if inline_compute(model) else None
         self.batcher = DraftBatcher(self.drafter.draft_many, config.batch_window_ms / 1e3, lambda: len(self.table),
-                                    max_batch=config.max_sessions, inline=inline_compute(model))
+                                    max_batch=config.max_sessions, executor=self.worker)
         self.ahead = Ahead(self.drafter, AheadConfig(config.draft_ahead, config.ahead_outcomes,
                                                      config.ahead_budget_ms),
-                           busy=lambda: self.batcher.queue_depth > 0, inline=self.batcher.inline)
+                           busy=lambda: self.batcher.queue_depth > 0, worker=self.worker)
         self._warm: Dict[str, str] = {}  # spec -> latest state of a warm-start policy (its learned pair and link)
         self._tracing = None
         self._tracer = None
@@ -118,7 +124,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
 
     async def close(self) -> None:
         for session in list(self.table.sessions.values()):
-            self.table.close(session)
+            self.close_session(session)
         await self.batcher.close()
 
     def stats(self) -> common_pb2.ServiceStats:
@@ -225,7 +231,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         """Draft the session's next block (or send the one prepared ahead for the verdict just committed); its span
         is a child of the coordinator's block span."""
         start_ns = time.time_ns()
-        out = self.ahead.use(session) if report is not None and report.hit else None
+        out = await self.ahead.use(session) if report is not None and report.hit else None
         if out is None:
             rounds.seed_block(session.generator, session.seed, len(session.committed))  # the seed and the prefix only
             out = await self.batcher.submit(session)
@@ -304,7 +310,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                pass_rows=int(result.pass_rows), blocks_waiting=int(result.blocks_waiting),
                                cost_fixed_ms=float(result.cost_fixed_ms),
                                cost_per_row_ms=float(result.cost_per_row_ms))
-        report = self.ahead.take(session, int(result.accepted), int(result.next_token), list(result.path))
+        report = await self.ahead.take(session, int(result.accepted), int(result.next_token), list(result.path))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing,
                                     path=list(result.path))
         if not msg.want_block:
@@ -316,8 +322,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
 async def serve(model, config: DrafterConfig, host: str = "127.0.0.1", port: int = 0, hooks=None,
                 max_message_bytes: Optional[int] = None):
     """Start a drafter server; returns (RunningServer, servicer)."""
-    prepare_weight_copies(model)  # before serving, on the loop's thread (steerspec/serving/compute.py)
     servicer = DrafterServicer(model, config, hooks)
+    if servicer.worker is not None:  # before serving, on the thread that runs the passes (serving/compute.py)
+        await asyncio.wrap_future(servicer.worker.submit(prepare_weight_copies, model))
+    else:
+        prepare_weight_copies(model)
     running = await start_server([(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)],
                                  [SERVICE_NAME], host=host, port=port,
                                  max_message_bytes=max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)

@@ -11,7 +11,9 @@ In each cell N clients (closed loop) generate back to back from an eval set's pr
 tokens at `--temperature` (seeded), for `--cell-s` seconds; `--arrival-rate` replaces the closed loop by
 Poisson arrivals at those rates (sessions/s). Modes: `verifier` (the verifier alone: one token per round trip,
 batched across sessions), `k<N>` (chains of N drafts), `tree` (the default draft tree; `tree=SPEC` another),
-`default` (what a request that names nothing gets). The modes run interleaved cell by cell (their order
+`default` (what a request that names nothing gets); `<mode>+ahead` is the mode with drafting ahead on
+(drafter_service/ahead.py; the plain mode takes the drafter's default), `<mode>+aheadN` preparing N verdicts per
+block. The modes run interleaved cell by cell (their order
 rotates each repeat), and every cell is repeated `--repeats` times.
 
 Per cell: goodput (tokens committed in the cell's window over all clients, per second), time per output token
@@ -67,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop clients per cell (default: 1..32)")
     parser.add_argument("--arrival-rate", default=None,
                         help="open loop instead: Poisson arrival rates in sessions/s, comma-separated")
-    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"modes (default: {DEFAULT_MODES})")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"modes (default: {DEFAULT_MODES}); `<mode>+ahead` or `<mode>+aheadN`: with drafting "
+                             "ahead on (N verdicts per block)")
     parser.add_argument("--rtt-ms", default="0,50,100", help="emulated RTTs, one coordinator each (default: 0,50,100)")
     parser.add_argument("--placements", default="edge,colocated", help="edge, colocated or both (default: both)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every cell (default: 3)")
@@ -99,9 +103,20 @@ def _numbers(text: str, name: str, kind=int, low: float = 0) -> List:
     return values
 
 
+AHEAD_SUFFIX = "+ahead"
+
+
 def mode_request(name: str) -> Dict[str, object]:
     """The SDK keywords of a mode: `verifier`, `k<N>`, `tree` / `tree=SPEC`, `load`, `default` (what a request that
-    names nothing gets); UsageError otherwise."""
+    names nothing gets), any but `verifier` with `+ahead` (drafting ahead on) or `+aheadN` (N verdicts prepared per
+    block); UsageError otherwise."""
+    if AHEAD_SUFFIX in name and not name.startswith(AHEAD_SUFFIX):
+        base, count = name.rsplit(AHEAD_SUFFIX, 1)
+        if count and not count.isdigit():
+            raise UsageError(f"unknown mode {name!r}: `+ahead` takes an optional verdict count, e.g. tree+ahead16")
+        if base == "verifier":
+            raise UsageError("verifier+ahead: the verifier alone drafts nothing to draft ahead")
+        return {**mode_request(base), "draft_ahead": "on", **({"ahead_outcomes": int(count)} if count else {})}
     if name == "verifier":
         return {"mode": "autoregressive"}
     if name == "default":
@@ -239,6 +254,9 @@ class Generation:
     tokens: int = 0
     in_window: int = 0  # tokens committed before the cell's window closed
     rounds: int = 0
+    critical_draft_ms: float = 0.0  # summed over its blocks: drafting left on the critical path
+    ahead_blocks: int = 0
+    ahead_hits: int = 0
     error: str = ""
 
 
@@ -257,6 +275,8 @@ async def _generate(client: Client, prompt: List[int], request: Dict[str, object
                 g.in_window += len(item.token_ids) if now <= stop_at else 0
             elif isinstance(item, Summary):
                 g.rounds = item.rounds
+                g.critical_draft_ms = item.draft_compute_ms * item.rounds
+                g.ahead_blocks, g.ahead_hits = item.ahead_blocks, item.ahead_hits
     except grpc.aio.AioRpcError as exc:
         g.error = exc.code().name
     finally:
@@ -309,6 +329,7 @@ async def run_cell(deployment: Deployment, rtt: float, mode: str, load: float, p
     tpot = [(g.end - g.first) / (g.tokens - 1) * 1e3 for g in done if g.tokens > 1]
     ttft = [(g.first - g.start) * 1e3 for g in done]
     rounds = sum(g.rounds for g in done)
+    ahead_blocks = sum(g.ahead_blocks for g in done)
     wall = load_used["wall_s"]
     return {
         "rtt_ms": rtt, "mode": mode, "load": load, "seed": seed,
@@ -322,6 +343,8 @@ async def run_cell(deployment: Deployment, rtt: float, mode: str, load: float, p
         "verifier_busy": round(min(1.0, load_used["verifier_busy_s"] / wall), 4),
         "drafter_busy": round(min(1.0, load_used["drafter_busy_s"] / (wall * max(1, len(deployment.drafters)))), 4),
         "draft_ms_per_block": _ratio(load_used["drafter_busy_s"] * 1e3, load_used["drafter_blocks"]),
+        "critical_draft_ms": _ratio(sum(g.critical_draft_ms for g in done), rounds),
+        "ahead_hit_rate": _ratio(sum(g.ahead_hits for g in done), ahead_blocks),
         "drain_s": round(time.monotonic() - stop_at, 3),
     }
 
@@ -344,7 +367,8 @@ def summarize(cells: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
         groups.setdefault((c["placement"], c["rtt_ms"], c["load"], c["mode"]), []).append(c)
     out = []
     keys = ("tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "tau", "verifier_rows_per_pass",
-            "verifier_pass_ms", "verifier_busy", "drafter_busy", "draft_ms_per_block")
+            "verifier_pass_ms", "verifier_busy", "drafter_busy", "draft_ms_per_block", "critical_draft_ms",
+            "ahead_hit_rate")
     for (placement, rtt, load, mode), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         goodputs = [float(c["goodput"]) for c in group]
         row = {"placement": placement, "rtt_ms": rtt, "load": load, "mode": mode, "repeats": len(group),
@@ -359,6 +383,11 @@ def summarize(cells: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
     for r in out:
         base = alone.get((r["placement"], r["rtt_ms"], r["load"]))
         r["over_verifier_alone"] = round(r["goodput"] / base, 3) if base else None
+    by_mode = {(r["placement"], r["rtt_ms"], r["load"], r["mode"]): r["goodput"] for r in out}
+    for r in out:  # drafting ahead against the same mode drafting after the result
+        if AHEAD_SUFFIX in r["mode"]:
+            base = by_mode.get((r["placement"], r["rtt_ms"], r["load"], r["mode"].rsplit(AHEAD_SUFFIX, 1)[0]))
+            r["over_without_ahead"] = round(r["goodput"] / base, 3) if base else None
     return out
 
 

@@ -5,7 +5,8 @@ call: it collects for at most `window_s` after the first job (ending early once 
 session has submitted) and runs the batch. With `inline` (a CPU model: steerspec/serving/compute.py says
 why) every call runs on the event loop's thread; otherwise batches run on a single compute thread,
 so the loop keeps reading other streams, and a lone session computes inline (no thread hop, no
-wait). A job is any object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and
+wait). Given an `executor` (a `PriorityWorker` that owns the model: steerspec/serving/priority_worker.py), every
+call runs there, a lone session's too, so no other thread ever uses the model. A job is any object with `session` (with `closed`, `in_compute` and `lm`), `submitted` and
 `future` attributes.
 
 It also keeps the load it has served, which GetStats reports: compute calls, the rows they scored (`rows_of`
@@ -38,14 +39,16 @@ class WindowBatcher(Generic[J, R]):
 
     def __init__(self, compute: Callable[[List[J]], Sequence[R]], window_s: float, expected: Callable[[], int],
                  max_batch: int = 64, thread_name: str = "compute", inline: bool = False,
-                 rows_of: Callable[[J], int] = lambda job: 1) -> None:
+                 rows_of: Callable[[J], int] = lambda job: 1, executor=None) -> None:
         self.compute = compute
         self.rows_of = rows_of
-        self.inline = bool(inline)
+        self.inline = bool(inline) and executor is None
+        self.shortcut = executor is None  # a lone session may compute inline on the loop
         self.window_s = max(0.0, float(window_s))
         self.expected = expected
         self.max_batch = max(1, int(max_batch))
-        self.executor = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self.executor = executor if executor is not None else (
+            None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name))
         self._pending: List[J] = []
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -98,7 +101,7 @@ class WindowBatcher(Generic[J, R]):
         The sessions in `hold` keep their caches until `fn` has returned on that thread, even when
         they close (or this call is cancelled) meanwhile: see `free_cache`.
         """
-        if self.inline or (self.expected() <= 1 and not self._busy):
+        if self.inline or (self.shortcut and self.expected() <= 1 and not self._busy):
             return self._timed(fn, *args)
         loop = asyncio.get_running_loop()
         self._busy += 1
@@ -124,7 +127,7 @@ class WindowBatcher(Generic[J, R]):
     async def submit(self, job: J) -> R:
         """The job's result, computed alone (a lone session) or batched with concurrent ones."""
         job.submitted = time.perf_counter()
-        if self.expected() <= 1 and not self._pending and not self._busy:
+        if (self.inline or self.shortcut) and self.expected() <= 1 and not self._pending and not self._busy:
             self._count([job])
             return self._timed(self.compute, [job])[0]
         self.start()

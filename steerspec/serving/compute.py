@@ -9,7 +9,10 @@ second one has computed (`python scripts/omp_pools.py`, two runs). A server that
 loop's thread and then verifies or drafts on an executor thread, or makes its weight copies in
 `asyncio.to_thread`, is in that state for good. On a CPU the passes therefore run inline on the
 loop's thread, where the model was loaded; a GPU pass leaves the CPU idle while it runs, so there
-the loop hands it to one compute thread and keeps reading streams.
+the loop hands it to one compute thread and keeps reading streams. The drafter service is the exception: its
+CPU passes run on one `PriorityWorker` thread that owns the model (priority_worker.py), so drafting ahead computes
+off the loop; with one torch thread per drafter process (`--threads 1`, as `bench capacity` runs it) no OpenMP pool
+exists to contend.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 
 from steerspec.bench import capacity
 from steerspec.cli import main
+from steerspec.errors import UsageError
 
 
 @pytest.mark.slow
@@ -55,6 +56,11 @@ def test_modes_are_the_sdk_requests_they_name():
     assert capacity.mode_request("tree") == {"tree": "default"}
     assert capacity.mode_request("tree=0,1,00") == {"tree": "0,1,00"}
     assert capacity.mode_request("default") == {}
+    assert capacity.mode_request("tree+ahead") == {"tree": "default", "draft_ahead": "on"}
+    assert capacity.mode_request("default+ahead") == {"draft_ahead": "on"}
+    assert capacity.mode_request("k4+ahead16") == {"k": 4, "policy": "fixed", "draft_ahead": "on", "ahead_outcomes": 16}
+    with pytest.raises(UsageError, match="verifier alone"):
+        capacity.mode_request("verifier+ahead")
 
 
 def test_placements_split_the_cores():

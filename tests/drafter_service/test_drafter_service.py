@@ -203,8 +203,8 @@ async def test_concurrent_sessions_are_drafted_in_batches_exactly(pair):
     alone = [await _scripted_session(pair.drafter, *spec) for spec in specs]
     running, servicer = await serve_drafter(pair.drafter_model, DrafterConfig(batch_window_ms=500.0),
                                             hooks=pair.hooks)
-    # a CPU drafter drafts its batches on the loop's thread, where it was loaded (steerspec/serving/compute.py)
-    assert servicer.batcher.inline and servicer.batcher.executor is None
+    # a CPU drafter drafts on the one thread that owns its model, off the loop (serving/priority_worker.py)
+    assert not servicer.batcher.inline and servicer.batcher.executor is servicer.worker
     threads, draft_many = set(), servicer.batcher.compute
 
     def compute(jobs):
@@ -217,7 +217,7 @@ async def test_concurrent_sessions_are_drafted_in_batches_exactly(pair):
         stub = drafter_pb2_grpc.DrafterServiceStub(channel)
         together = await asyncio.gather(*[_scripted_session(stub, *spec) for spec in specs])
         assert servicer.batcher.max_batch_seen >= 2 and servicer.batcher.batched_blocks > servicer.batcher.batches
-        assert threads == {threading.get_ident()}
+        assert threads == {servicer.worker.thread.ident}
     finally:
         await channel.close()
         await running.stop(0.5)
