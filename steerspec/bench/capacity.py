@@ -598,6 +598,7 @@ def run(args: argparse.Namespace) -> int:
     validate(args)
     cells = asyncio.run(measure(args))
     summary = summarize(cells)
+    cpus = {p: placement_cpus(p, sorted(os.sched_getaffinity(0))) for p in args.placement_list}
     report = {
         "benchmark": "capacity",
         "command": command,
@@ -607,10 +608,9 @@ def run(args: argparse.Namespace) -> int:
                    "loads": args.loads, "arrival_rates": bool(args.rates), "repeats": args.repeats,
                    "cell_s": args.cell_s, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                    "seed": args.seed, "drafters": args.drafters, "slo_factor": args.slo_factor,
-                   "placement_cpus": {p: placement_cpus(p, sorted(os.sched_getaffinity(0)))
-                                      for p in args.placement_list},
-                   "verifier_dtype": {p: resolve_dtype(args.dtype, args.verifier, "cpu", len(
-                       placement_cpus(p, sorted(os.sched_getaffinity(0)))["verifier"])) for p in args.placement_list}},
+                   "placement_cpus": cpus,
+                   "verifier_dtype": {p: resolve_dtype(args.dtype, args.verifier, "cpu", len(cpus[p]["verifier"]))
+                                      for p in args.placement_list}},
         "cells": cells,
         "summary": summary,
         "slo": slo(summary, args.slo_factor),
