@@ -28,6 +28,7 @@ from steerspec.models.kv import FastCachedLM
 from steerspec.models.loading import cache_kwarg
 from steerspec.serving.batching import WindowBatcher
 from verifier_service import fast_verify
+from verifier_service.cost_probe import anchor_passes
 from verifier_service.pass_costs import PassCosts
 from verifier_service.verify_jobs import JobResult, VerifyJob
 from verifier_service.verify_sessions import VerifierSession
@@ -42,7 +43,8 @@ class VerifyRunner:
         self.device = model.device
         self.config = model.config
         self._cache_arg = cache_kwarg(model)  # the name transformers' forward takes the KV cache by
-        self.costs = PassCosts()  # pass time against rows, reported with every result (load-aware block sizes)
+        # pass time against blocks and rows, reported with every result (load-aware block sizes)
+        self.costs = PassCosts(anchors=anchor_passes(model))
 
     # ------------------------------------------------------------------ helpers
     def steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
@@ -103,7 +105,7 @@ class VerifyRunner:
             for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
                 results[i] = result
         rows = sum(job.block.k + 1 for job in jobs)  # the pending token and the drafts of every block
-        self.costs.add(rows, (time.perf_counter() - start) * 1e3)
+        self.costs.add(len(jobs), rows, (time.perf_counter() - start) * 1e3)
         for result in results:
             result.pass_rows = rows
         return results

@@ -107,6 +107,9 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
             if start and not bool(visible[:, :start].all()):
                 raise ValueError("an invariant tree pass needs every cached slot visible to every tree token")
             positions.append(pos)
+            if is_chain(start, pos, visible):  # a path: the chain's layout reads its keys in place (no gather)
+                key_layouts.append(key_layout(start, None, n, group, QUERY_ROWS, block, device))
+                continue
             key_layouts.append(key_layout(start, visible[:, start:], n, group, QUERY_ROWS, block, device))
     total = sum(counts)
     cos, sin = rotary_rows(first.model, first.decoder.rotary_emb, torch.cat(positions), first.dtype)
@@ -171,6 +174,15 @@ def invariant_extend(lms: Sequence, feeds: Sequence[Tensor], trees: Sequence[Opt
             lm.last_hidden = normed[hi - 1]
         results.append((logits[a:b], None if hidden is None else hidden[:, lo:hi]))
     return results
+
+
+def is_chain(start: int, positions: Tensor, visible: Tensor) -> bool:
+    """Whether a tree of n tokens after `start` cached ones is a path in slot order (each token at the next position,
+    seeing exactly the tokens before it): then the chain's layout computes the same keys in the same blocks."""
+    n = positions.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=visible.device).tril_()
+    return bool(torch.equal(positions, torch.arange(start, start + n, device=positions.device))
+                and torch.equal(visible[:, start:], causal))
 
 
 def _head(lm, normed: Tensor, head, rows: int) -> Tensor:

@@ -55,8 +55,9 @@ class BlockFeedback:
     batch_size: int = 0  # blocks in the pass that verified this one
     pass_rows: int = 0  # rows that pass scored
     blocks_waiting: int = 0  # blocks queued for the next pass
-    cost_fixed_ms: float = 0.0  # its pass cost: cost_fixed_ms + cost_per_row_ms * rows
+    cost_fixed_ms: float = 0.0  # its pass cost: cost_fixed_ms + cost_per_block_ms * blocks + cost_per_row_ms * rows
     cost_per_row_ms: float = 0.0
+    cost_per_block_ms: float = 0.0
 
 
 @runtime_checkable

@@ -5,12 +5,14 @@ token per round trip) commits E(n) = 1 + Σ_{i<n} p_i tokens on average, p_i the
 accepted path (for a chain: the first i + 1 drafts accepted), learned per slot from the verdicts (a running mean
 from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
 
-    T(n) = d(n) + o + W + P,   P = c(B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
+    T(n) = d(n) + o + W + P,   P = c(B, B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
 d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, in rows so that blocks of no
 drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
-to the drafter and its queue, overhead), c the verifier's pass cost against the rows it scores — measured by the
-verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
+to the drafter and its queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
+against the blocks and rows it scores — measured by the verifier over its own passes and sent with every result
+(VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each session's attention
+over its own cache, which on the batch-invariant path outweighs its rows: verifier_service/pass_costs.py) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -20,8 +22,8 @@ gains); B of them arrive during a pass and share the next one; a block waits on 
 busy share the other sessions keep the verifier at. Without a report (in process, or an older verifier) P is the
 session's own verify cost line and N = 1: then the choice is the `latency` policy's without its stop.
 
-A worked example with the pass cost measured on an AMD EPYC VM (2 cores, edge placement, RTT 50: c = 41.6 ms +
-4.25 ms per row, docs/results/capacity.md) and the default tree's slots accepted 65, 12, 5, 45 and 8% of the time:
+A worked example with the pass cost measured on an AMD EPYC VM (2 cores, edge placement, RTT 50, float32: c = 41.6 ms
++ 4.25 ms per row, no block term, docs/results/capacity.md) and the default tree's slots accepted 65, 12, 5, 45 and 8% of the time:
 alone on the verifier the model prices the tree's first 4 nodes at 1.8× the verifier alone's tokens per second;
 at about 4 sessions still 4 nodes (1.5×), at 8 and 16 one draft (1.4×, 1.2×), at about 40 none (each extra row
 then costs every session more than the draft earns).
@@ -76,7 +78,7 @@ class LoadAware(PolicyBase):
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
-        self.pass_line = (0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per row (0, 0: none)
+        self.pass_line = (0.0, 0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per block, ms per row (0s: none)
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
@@ -86,7 +88,7 @@ class LoadAware(PolicyBase):
         over; the load signals are taken afresh from the sequence's first result, since the load may have moved
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
-        self.pass_line = (0.0, 0.0)  # a verifier reports it again with the first result; in process none does
+        self.pass_line = (0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
 
     # --- model ---
     def expected_tokens(self, n: int) -> float:
@@ -94,7 +96,7 @@ class LoadAware(PolicyBase):
 
     @property
     def reported(self) -> bool:
-        return self.pass_line[0] > 0.0 or self.pass_line[1] > 0.0
+        return any(value > 0.0 for value in self.pass_line)
 
     @property
     def sessions(self) -> float:
@@ -107,11 +109,11 @@ class LoadAware(PolicyBase):
         """T(n): the closed loop's fixed point with every session sending blocks of n drafts."""
         if not self.reported:
             return draft_ms + self.overhead_ms + self.verify.table()[n]
-        fixed, per_row = self.pass_line
+        fixed, per_block, per_row = self.pass_line
         sessions, blocks = self.sessions, max(self.blocks, 1.0)
         total = draft_ms + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
-            pass_ms = fixed + per_row * blocks * (n + 1)
+            pass_ms = fixed + blocks * (per_block + per_row * (n + 1))
             busy = min(1.0, (sessions - 1.0) * pass_ms / max(total * blocks, 1e-6))  # the others' share
             total = draft_ms + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
             blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
@@ -148,8 +150,9 @@ class LoadAware(PolicyBase):
         first = not self.load_seen
         if feedback.batch_size:
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
-        if feedback.cost_per_row_ms > 0.0 or feedback.cost_fixed_ms > 0.0:
-            self.pass_line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_row_ms))
+        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms))
+        if any(value > 0.0 for value in line):
+            self.pass_line = line
         if feedback.verify_ms > 0.0:
             cycle = feedback.draft_ms + feedback.network_ms + feedback.overhead_ms + feedback.queue_ms + \
                 feedback.verify_ms
@@ -183,8 +186,11 @@ class LoadAware(PolicyBase):
             raise ValueError(f"state has {len(include)} slots, policy has max={self.max_k}")
         self.draft.load_state_dict(state["draft"])
         self.verify.load_state_dict(state["verify"])
-        fixed, per_row = (float(v) for v in state["pass_line"])
-        self.include, self.judged, self.pass_line = include, judged, (fixed, per_row)
+        line = [float(v) for v in state["pass_line"]]
+        if len(line) == 2:  # a state saved before the verifier reported a block's own cost
+            line = [line[0], 0.0, line[1]]
+        fixed, per_block, per_row = line
+        self.include, self.judged, self.pass_line = include, judged, (fixed, per_block, per_row)
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         self.seen = int(state["seen"])

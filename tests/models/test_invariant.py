@@ -176,3 +176,22 @@ def test_the_machine_verdict_is_timed_once_and_cached(tmp_path, monkeypatch):
     bf16 = load_model("verifier", dtype="bfloat16")
     (tmp_path / kernel_path.CACHE_FILE).write_text(json.dumps({kernel_path.cache_key(bf16): cached}))
     assert kernel_path.apply_invariance(bf16, "auto") == InvariantPlan(rows=4)
+
+
+def test_a_path_shaped_tree_runs_the_chain_layout_and_equals_it(tiny):
+    """A tree that is a path (each node the child of the one before) is verified as a chain: no gathered keys, and
+    the logits equal the chain pass's bit for bit (both equal one-token decoding)."""
+    from steerspec.models.invariant_pass import is_chain
+
+    gen = torch.Generator().manual_seed(9)
+    prefix = torch.randint(0, int(tiny.config.vocab_size), (45,), generator=gen).tolist()
+    feed = torch.randint(0, int(tiny.config.vocab_size), (5,), generator=gen).tolist()
+    start, n = len(prefix), len(feed)
+    visible = torch.cat([torch.ones(n, start, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril_()], dim=1)
+    positions = torch.arange(start, start + n)
+    assert is_chain(start, positions, visible)
+    assert not is_chain(start, positions - 1, visible) and not is_chain(start, positions, visible.tril(start - 1))
+    chain, tree = FastCachedLM(tiny), FastCachedLM(tiny)
+    chain.extend(prefix)
+    tree.extend(prefix)
+    assert torch.equal(chain.extend(feed).logits, tree.extend_tree(feed, positions, visible).logits)

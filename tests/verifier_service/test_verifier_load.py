@@ -1,5 +1,6 @@
 """The verifier reports its load with every result (VerifyResult.pass_rows, blocks_waiting, cost_fixed_ms,
-cost_per_row_ms): the rows of the pass that verified the block and its measured pass cost against rows."""
+cost_per_block_ms, cost_per_row_ms): the rows of the pass that verified the block and its measured pass cost against
+blocks and rows."""
 
 from __future__ import annotations
 
@@ -19,19 +20,52 @@ from verifier_service.server import VerifierConfig, serve
 pytestmark = [pytest.mark.timeout(120)]
 
 
-def test_pass_costs_fit_the_line_of_the_passes():
+def test_pass_costs_fit_blocks_and_rows():
     costs = PassCosts(beta=0.05)
-    assert costs.line() == (0.0, 0.0)
+    assert costs.line() == (0.0, 0.0, 0.0)
     rng = random.Random(0)
     for _ in range(400):
-        rows = rng.randint(1, 40)
-        costs.add(rows, 41.6 + 4.25 * rows + rng.uniform(-1.0, 1.0))
-    fixed, per_row = costs.line()
-    assert fixed == pytest.approx(41.6, abs=1.5) and per_row == pytest.approx(4.25, abs=0.1)
+        blocks = rng.randint(1, 8)
+        rows = blocks * rng.randint(1, 6)
+        costs.add(blocks, rows, 41.6 + 6.0 * blocks + 1.25 * rows + rng.uniform(-1.0, 1.0))
+    fixed, per_block, per_row = costs.line()
+    assert fixed == pytest.approx(41.6, abs=1.5) and per_block == pytest.approx(6.0, abs=0.4)
+    assert per_row == pytest.approx(1.25, abs=0.1)
     flat = PassCosts()
     for _ in range(10):
-        flat.add(6, 30.0)  # one row count only: no slope, the whole cost fixed
-    assert flat.line() == pytest.approx((30.0, 0.0))
+        flat.add(1, 6, 30.0)  # one shape only: no slope, the whole cost fixed
+    assert flat.line() == pytest.approx((30.0, 0.0, 0.0), abs=1e-3)
+
+
+def test_anchor_passes_split_what_same_sized_blocks_cannot():
+    """Sessions all sending blocks of 5 rows make rows = 5 x blocks: the served passes fix only the cost of such a
+    block; the anchors (other shapes, timed at start) say how much of it is the block's own and how much its rows."""
+    def cost(blocks: int, rows: int) -> float:
+        return 40.0 + 6.0 * blocks + 1.0 * rows
+
+    anchors = [(b, b * r, cost(b, b * r)) for b, r in ((1, 1), (1, 8), (4, 1), (4, 8))]
+    costs = PassCosts(beta=0.05, anchors=anchors)
+    for i in range(200):
+        blocks = 1 + i % 8
+        costs.add(blocks, 5 * blocks, cost(blocks, 5 * blocks) + 8.0)  # the served contexts are longer: dearer
+    fixed, per_block, per_row = costs.line()
+    assert fixed + 8 * per_block + 40 * per_row == pytest.approx(cost(8, 40) + 8.0, rel=0.03)  # what was served
+    assert per_block == pytest.approx(6.0, abs=1.0) and per_row == pytest.approx(1.0, abs=0.3)  # the anchors' split
+    blind = PassCosts(beta=0.05)
+    for i in range(200):
+        blocks = 1 + i % 8
+        blind.add(blocks, 5 * blocks, cost(blocks, 5 * blocks))
+    assert blind.line()[2] * 8 > 2.0  # without anchors the split is arbitrary (here: onto the rows)
+
+
+def test_the_verifier_times_its_anchor_passes_on_itself(tmp_path):
+    from verifier_service.cost_probe import SHAPES, anchor_passes
+
+    torch.set_num_threads(1)
+    model = load_model(str(make_tiny_llama(tmp_path / "verifier", seed=0)))
+    anchors = anchor_passes(model)
+    assert [(b, r) for b, r, _ in anchors] == [(b, b * r) for b, r in SHAPES]
+    assert all(ms > 0 for _, _, ms in anchors)
 
 
 async def test_every_result_carries_the_passes_rows_and_cost_line(tmp_path):
@@ -64,5 +98,5 @@ async def test_every_result_carries_the_passes_rows_and_cost_line(tmp_path):
     results = [r for run in runs for r in run]
     assert any(r.batch_size > 1 and r.pass_rows > max(7, r.batch_size) for r in results)  # shared passes counted
     last = results[-1]
-    assert last.cost_fixed_ms > 0 and last.cost_per_row_ms >= 0
+    assert last.cost_fixed_ms > 0 and last.cost_per_row_ms >= 0 and last.cost_per_block_ms >= 0
     assert all(r.blocks_waiting >= 0 for r in results)
