@@ -107,7 +107,8 @@ class TreeKind(BlockKind):
         for session, shape in zip(sessions, shapes):
             row = TreeRow(session.lm, session.committed, shape,
                           DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k), session.generator)
-            drafter.steer_first_feed(session, row)
+            if shape.size:  # a block of no drafts feeds nothing (`draft_tree_steps`)
+                drafter.steer_first_feed(session, row)
             rows.append(row)
         return rows
 
@@ -188,7 +189,8 @@ class TreeKind(BlockKind):
         path = list(verdict.path)
         session.committed.extend(proposal.draft_ids[node] for node in path)
         session.committed.append(int(verdict.next_token))
-        session.lm.keep(n, cached_path(path, proposal.fed, n))
+        if session.lm.length >= n:  # a block of no drafts fed nothing: the next block feeds the tail
+            session.lm.keep(n, cached_path(path, proposal.fed, n))
         if verdict.timing is not None and (proposal.draft_ids or getattr(session.policy, "min_k", 1) == 0):
             session.policy.update(replace(verdict.timing, path=tuple(path), shape=proposal_shape(session).paths))
 

@@ -141,8 +141,10 @@ def draft_trees(rows: Sequence[TreeRow]) -> List[Drafted]:
 
 
 def draft_tree_steps(rows: Sequence[TreeRow]) -> "Steps[List[Drafted]]":
-    """`draft_trees`, yielding after each forward pass (drafting ahead: drafter_service/ahead.py)."""
-    feed = [i for i, row in enumerate(rows) if row.first_logits is None]
+    """`draft_trees`, yielding after each forward pass (drafting ahead: drafter_service/ahead.py). A row of no
+    nodes (a block of no drafts) runs no pass: its committed tail waits in `committed` for the next block's feed,
+    which takes any number of tokens, so the drafter spends nothing on blocks the verifier answers alone."""
+    feed = [i for i, row in enumerate(rows) if row.first_logits is None and row.shape.size]
     roots: Dict[int, Tensor] = {}
     if feed:
         outs = packed_extend([rows[i].lm for i in feed], [list(rows[i].committed[rows[i].lm.length:]) for i in feed])
@@ -151,6 +153,9 @@ def draft_tree_steps(rows: Sequence[TreeRow]) -> "Steps[List[Drafted]]":
     drafted: List[Drafted] = []
     for i, row in enumerate(rows):
         tokens, q_at = [0] * row.shape.size, {}
+        if not row.shape.size:
+            drafted.append((tokens, [], q_at))
+            continue
         root = roots[i] if i in roots else row.first_logits[-1]
         _fill(row.shape, -1, root, tokens, q_at, row.config, row.generator, row.distinct)
         drafted.append((tokens, [], q_at))
@@ -295,7 +300,8 @@ def tree_generate(
         path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify,
                                                distinct)
         t2 = time.perf_counter()
-        drafter.keep(n, cached_path(path, fed, n))
+        if drafter.length >= n:  # after a block of no drafts the tail is fed with the next block
+            drafter.keep(n, cached_path(path, fed, n))
         rest = [i for i in range(len(tokens)) if i not in path]
         order = [tokens[i] for i in path] + [tokens[i] for i in rest]
         block = DraftBlock(tokens=torch.tensor([order], dtype=torch.long), lengths=torch.tensor([len(order)]))

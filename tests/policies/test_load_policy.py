@@ -197,3 +197,19 @@ def test_sampling_with_load_aware_tree_sizes_is_the_verifiers_distribution(loade
     assert len(sizes) >= 2, sizes
     p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+def test_a_block_of_no_drafts_runs_no_drafter_pass(loaded_pair):
+    """The drafter spends nothing on a block the verifier answers alone: its cache stays behind, and the next block
+    feeds the whole tail, drafting what a drafter that had kept up drafts."""
+    from steerspec.decoding.tree_decoding import draft_tree
+    from steerspec.decoding.trees import prefix
+
+    _, drafter, _ = loaded_pair
+    tree = parse_tree(DEFAULT_TREE)
+    lagging, fresh = cached_lm(drafter), cached_lm(drafter)
+    draft_tree(lagging, [4, 57, 310], tree)
+    lagging.keep(3, [])
+    tokens, fed, _ = draft_tree(lagging, [4, 57, 310, 12, 96], prefix(tree, 0))
+    assert tokens == [] and fed == [] and lagging.length == 3  # nothing fed
+    assert draft_tree(lagging, [4, 57, 310, 12, 96, 7], tree)[0] == draft_tree(fresh, [4, 57, 310, 12, 96, 7], tree)[0]
