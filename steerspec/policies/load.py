@@ -9,10 +9,12 @@ beta), so chains and trees are priced by the same estimates. Its round takes
 
     T(S) = d(depth S) + o + W + P,   P = c(B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
-d the drafter's compute line in its passes (`CostLine` over the drafter's own compute per block against the shape's
-depth + 1, one pass per level, so blocks of no drafts measure it too: a 5-node tree of depth 2 costs two passes,
-a chain of 4 four), o the EWMA of the rest of the round that does not grow with the block (network, the hops
-to the drafter and its queue, overhead), c the verifier's pass cost against the rows it scores — measured by the
+d the drafter's part of the round: the hop to it (h, from blocks of no drafts, which run no drafter pass) plus one
+pass per level of the shape, each priced at what the coordinator waited per level of its recent blocks, the
+drafter's queue included (a 5-node tree of depth 2 two passes, a chain of 4 four) — the edge drafter is shared too,
+so at high load its queue grows with the depth every session drafts, and pricing that wait as a fixed overhead
+would make deeper blocks look free and deepen them further; o the EWMA of the rest of the round that does not
+grow with the block (network, the verifier hop, overhead), c the verifier's pass cost against the rows it scores — measured by the
 verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
@@ -43,6 +45,9 @@ PRIOR_COUNT = 2.0  # the prior weighs as this many verdicts
 LOAD_BETA = 0.3  # EWMA weight of the load's observations (blocks per pass, cycle, pass): it changes faster
 FIXED_POINT_STEPS = 12
 FIRST_K = 4  # the first block's size, before any cost was measured
+RATE_SLACK = 0.05  # shapes within this share of the best rate count as tied: the one committing most is taken
+PROBE_EVERY = 16  # after this many blocks of no drafts in a row, one block drafts (acceptance and costs go stale)
+FLOOR_DRIFT = 0.01  # how fast the least wait per level follows larger ones
 STALE = 0.01  # a depth whose cost-line weight fell below this was not measured recently
 
 
@@ -73,8 +78,10 @@ class LoadAware(PolicyBase):
         """Back to the priors."""
         self.acc: Dict[str, float] = {}  # per node (rank path): accepted when its parent was, running mean/EWMA
         self.judged: Dict[str, float] = {}
-        # both lines from blocks of no drafts up: the drafter's in passes (depth + 1), the verify line in rows
-        self.draft = CostLine(self.max_k + 1, LOAD_BETA, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
+        self.hop_ms = 0.0  # the coordinator's wait for a block of no drafts (no drafter pass), EWMA
+        self.level_ms = 0.0  # its wait per level of a block beyond the hop, the drafter's queue included, EWMA
+        self.level_floor_ms = 0.0  # the least of those waits (a drafter pass without a queue), drifting up slowly
+        self.empty_run = 0  # blocks of no drafts in a row
         self.verify = CostLine(self.max_k + 1, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
         self.overhead_ms = 0.0
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
@@ -133,9 +140,13 @@ class LoadAware(PolicyBase):
             blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
         return total
 
+    def draft_ms(self, depth: int) -> float:
+        """d: the wait for a block of this depth, the hop and one drafter pass per level."""
+        return self.hop_ms + depth * self.level_ms
+
     def shape_ms(self, shape: Shape) -> float:
         """T(S): the modelled round of a block of this shape."""
-        return self.round_ms(len(shape), self.draft.table()[shapes.depth(shape)])
+        return self.round_ms(len(shape), self.draft_ms(shapes.depth(shape)))
 
     def rate(self, shape: Shape) -> float:
         """E(S)/T(S), tokens per ms."""
@@ -155,28 +166,35 @@ class LoadAware(PolicyBase):
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
     def _pick(self, options: Sequence[Shape], first: Shape) -> Shape:
-        """The best-rated option (the smaller on a tie); while fewer than two depths were measured recently (the
-        drafter's line is not identified), `first` for the first block and then the best of another depth, the
-        nearest to the only one measured."""
-        rated = [(self.rate(s), -len(s), s) for s in options]
-        best = max(rated, key=lambda r: r[:2])[2]
-        recent = self.draft.recent_lengths(STALE)
-        if not recent:
+        """The best-rated option — of those within RATE_SLACK of the best rate, the one expected to commit most
+        (measured: at one session on the Intel VM the model priced small blocks' rounds ~20% below what they took, so
+        near-ties went to blocks that paid less than the whole tree); `first` before any block drafted; without the verifier's
+        report, while fewer than two sizes were verified recently (the session's own verify line is not
+        identified), the best of another size, the nearest to the only one measured."""
+        if self.level_ms <= 0.0:
             return first
-        if len(recent) == 1 and shapes.depth(best) + 1 == recent[0]:
+        rated = [(self.rate(s), -len(s), s) for s in options]
+        top = max(r[0] for r in rated)
+        best = max((r for r in rated if r[0] >= (1.0 - RATE_SLACK) * top),
+                   key=lambda r: (shapes.expected_tokens(r[2], self.acceptance), r[0]))[2]
+        if not best and self.empty_run >= PROBE_EVERY:  # a probe: the best block that drafts
+            best = max((r for r in rated if r[2]), key=lambda r: r[:2], default=(0.0, 0, ()))[2]
+        recent = [] if self.reported else self.verify.recent_lengths(STALE)
+        if len(recent) == 1 and len(best) + 1 == recent[0]:
             only = recent[0] - 1
-            others = [r for r in rated if shapes.depth(r[2]) != only]
+            others = [r for r in rated if len(r[2]) != only]
             if others:
-                near = min(abs(shapes.depth(r[2]) - only) for r in others)
-                best = max((r for r in others if abs(shapes.depth(r[2]) - only) == near), key=lambda r: r[:2])[2]
+                near = min(abs(len(r[2]) - only) for r in others)
+                best = max((r for r in others if abs(len(r[2]) - only) == near), key=lambda r: r[:2])[2]
         return best
 
     def next_shape(self, tree: Sequence[Sequence[int]]) -> Shape:
         """The best shape for a session drafting `tree` (rank paths): no drafts, a chain, a prefix of the tree or a
-        grown tree, of at most max nodes."""
+        grown tree, of at most max nodes and the tree's (what the verifier accepts of a block)."""
         tree = shapes.ordered(tree)
-        options = shapes.candidates(tree, self.max_k, self.acceptance)
-        self.last_shape = self._pick(options, tuple(tree[:min(FIRST_K, self.max_k)]))
+        nodes = min(self.max_k, len(tree))
+        options = shapes.candidates(tree, nodes, self.acceptance)
+        self.last_shape = self._pick(options, tuple(tree[:min(FIRST_K, nodes)]))
         self.last_k = len(self.last_shape)
         return self.last_shape
 
@@ -209,14 +227,21 @@ class LoadAware(PolicyBase):
                 feedback.verify_ms
             self.cycle_ms = cycle if first else (1 - fast) * self.cycle_ms + fast * cycle
             self.pass_obs_ms = feedback.verify_ms if first else (1 - fast) * self.pass_obs_ms + fast * feedback.verify_ms
-        # the drafter's own compute grows with the block; the hop to it and its queue do not: they join the overhead
-        compute = feedback.draft_compute_ms if feedback.draft_compute_ms > 0.0 else feedback.draft_ms
-        overhead = feedback.network_ms + feedback.overhead_ms + max(feedback.draft_ms - compute, 0.0)
+        overhead = feedback.network_ms + feedback.overhead_ms
         self.overhead_ms = overhead if first else (1 - fast) * self.overhead_ms + fast * overhead
         self.seen += 1
         self.load_seen = self.load_seen or feedback.verify_ms > 0.0
         shape = self._block_shape(feedback)[:self.max_k]
-        self.draft.add(min(shapes.depth(shape), self.max_k) + 1, compute)
+        depth = shapes.depth(shape)
+        self.empty_run = self.empty_run + 1 if depth == 0 else 0
+        if depth == 0:  # no drafter pass: the hop alone; the drafter's queue drains, so a level's price relaxes
+            self.hop_ms = (1 - fast) * self.hop_ms + fast * feedback.draft_ms if self.hop_ms else feedback.draft_ms
+            self.level_ms = (1 - b) * self.level_ms + b * self.level_floor_ms
+        else:
+            level = max(feedback.draft_ms - self.hop_ms, 0.0) / depth
+            self.level_ms = (1 - fast) * self.level_ms + fast * level if self.level_ms else level
+            floor = self.level_floor_ms
+            self.level_floor_ms = level if not floor else min(level, floor + FLOOR_DRIFT * (level - floor))
         self.verify.add(len(shape) + 1, feedback.verify_ms)
         on_path = {shape[i] for i in feedback.path if 0 <= i < len(shape)} if feedback.path else \
             set(shape[:int(feedback.accepted)])
@@ -231,7 +256,8 @@ class LoadAware(PolicyBase):
             self.judged[name] = n + 1.0
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"acc": dict(self.acc), "judged": dict(self.judged), "draft": self.draft.state_dict(),
+        return {"acc": dict(self.acc), "judged": dict(self.judged), "hop_ms": self.hop_ms, "level_ms": self.level_ms,
+                "level_floor_ms": self.level_floor_ms,
                 "verify": self.verify.state_dict(), "overhead_ms": self.overhead_ms, "blocks": self.blocks,
                 "cycle_ms": self.cycle_ms, "pass_obs_ms": self.pass_obs_ms, "pass_line": list(self.pass_line),
                 "seen": self.seen, "max": self.max_k}
@@ -244,7 +270,8 @@ class LoadAware(PolicyBase):
             acc, judged = {}, {}
         else:
             judged = state.get("judged", {})
-        self.draft.load_state_dict(state["draft"])
+        self.hop_ms, self.level_ms = float(state.get("hop_ms", 0.0)), float(state.get("level_ms", 0.0))
+        self.level_floor_ms = float(state.get("level_floor_ms", 0.0))
         self.verify.load_state_dict(state["verify"])
         fixed, per_row = (float(v) for v in state["pass_line"])
         self.acc = {str(k): _clip(float(v)) for k, v in acc.items()}
