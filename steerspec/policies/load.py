@@ -14,8 +14,9 @@ pass per level of the shape, each priced at what the coordinator waited per leve
 drafter's queue included (a 5-node tree of depth 2 two passes, a chain of 4 four) — the edge drafter is shared too,
 so at high load its queue grows with the depth every session drafts, and pricing that wait as a fixed overhead
 would make deeper blocks look free and deepen them further; o the EWMA of the rest of the round that does not
-grow with the block (network, the verifier hop, overhead), c the verifier's pass cost against the rows it scores — measured by the
-verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_row_ms) — and N the sessions
+grow with the block (network, the verifier hop, overhead), c the verifier's pass cost against the rows it scores —
+measured by the verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms /
+cost_per_row_ms), plus what passes of up to 8 rows took beyond that line (`step_ms`) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they

@@ -75,7 +75,8 @@ def candidates(tree: Shape, nodes: int, acc: Acceptance) -> List[Shape]:
     """The shapes to choose among, each once: no drafts, the chains of 1..nodes, `tree`'s breadth-first prefixes of
     up to `nodes` nodes and the grown trees of up to `nodes` nodes (ranks no higher than `tree`'s)."""
     max_rank = max((p[-1] for p in tree), default=0)
-    shapes = [()] + [chain(k) for k in range(1, nodes + 1)] + [tuple(tree[:n]) for n in range(1, min(nodes, len(tree)) + 1)]
+    shapes = [()] + [chain(k) for k in range(1, nodes + 1)]
+    shapes += [tuple(tree[:n]) for n in range(1, min(nodes, len(tree)) + 1)]
     shapes += grown(acc, nodes, max_rank)
     seen, out = set(), []
     for shape in shapes:

@@ -19,6 +19,7 @@ from steerspec.models import load_model
 from steerspec.policies import shapes
 from steerspec.policies.base import BlockFeedback
 from steerspec.policies.load import LoadAware
+from steerspec.policies.catalog import REGISTERED
 from steerspec.policies.registry import Key, register
 from steerspec.serving.linkemu import LinkModel
 from steerspec.serving.wire import ProtocolError
@@ -30,8 +31,6 @@ SEEN: List[BlockFeedback] = []
 LOADED: List[Dict[str, Any]] = []
 
 
-@register("test_shapes", {"max": Key(int, 5, "most nodes")}, doc="test: cycles chains, grown trees and no drafts",
-          length_keys=("max",), trees=True)
 class ShapeCycle(LoadAware):
     """The load-aware policy with its choice replaced by a cycle of shapes none of which (but one) is a prefix of the
     default tree, indexed by the blocks it has seen (its state: a fresh policy after a failover restarts the cycle)."""
@@ -49,6 +48,15 @@ class ShapeCycle(LoadAware):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         LOADED.append(dict(state))
         super().load_state_dict(state)
+
+
+@pytest.fixture(autouse=True)
+def shape_cycle():
+    """`test_shapes` registered for this module's tests only (a policy that sizes trees is named in refusals)."""
+    register("test_shapes", {"max": Key(int, 5, "most nodes")}, doc="test: cycles chains, grown trees and no drafts",
+             length_keys=("max",), trees=True)(ShapeCycle)
+    yield
+    REGISTERED.pop("test_shapes", None)
 
 
 def test_the_verifier_reads_a_blocks_shape_from_its_parents():

@@ -1,5 +1,6 @@
 """The load-aware policy (`load`): block shapes (chains, tree prefixes, grown trees) from acceptance per node, the
-link and the verifier's reported load; exact at any size (greedy output is the verifier's, sampling its distribution), carried through failover."""
+link and the verifier's reported load; exact at any size (greedy output is the verifier's, sampling its
+distribution), carried through failover."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_alone_on_the_verifier_a_chain_pays_when_side_branches_never_do():
     settled(policy, 60, path=(0, 3))
     best = policy.next_shape(TREE)
     assert best == shapes.chain(len(best)) and len(best) >= 3
-    assert policy.rate(best) > max(policy.rate(TREE[:n]) for n in range(6)) and policy.rate(best) > 1.3 * policy.rate(())
+    assert policy.rate(best) > max(policy.rate(TREE[:n]) for n in range(6))
+    assert policy.rate(best) > 1.3 * policy.rate(())
 
 
 def test_a_sibling_that_pays_keeps_a_tree():
@@ -192,7 +194,8 @@ def test_greedy_output_is_the_verifiers_at_every_size(loaded_pair, tree):
 @pytest.mark.slow
 def test_sampling_with_load_aware_tree_sizes_is_the_verifiers_distribution(loaded_pair, eval_prompts):
     """600 samples of the first two tokens at T = 1, one policy across them (so block shapes change from sample to
-    sample: chains, tree prefixes, grown trees and blocks of no drafts): the pairs match the verifier's distribution (chi-square)."""
+    sample: chains, tree prefixes, grown trees and blocks of no drafts): the pairs match the verifier's distribution
+    (chi-square)."""
     from distribution_helpers import P_MIN, first_two_p_values, pick_prompt
 
     verifier, drafter, tok = loaded_pair
