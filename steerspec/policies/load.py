@@ -16,7 +16,7 @@ so at high load its queue grows with the depth every session drafts, and pricing
 would make deeper blocks look free and deepen them further; o the EWMA of the rest of the round that does not
 grow with the block (network, the verifier hop, overhead), c the verifier's pass cost against the rows it scores —
 measured by the verifier over its own recent passes and sent with every result (VerifyResult.cost_fixed_ms /
-cost_per_row_ms), plus what passes of up to 8 rows took beyond that line (`step_ms`) — and N the sessions
+cost_per_row_ms) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -45,7 +45,6 @@ CLIP = (0.001, 0.999)
 PRIOR_COUNT = 2.0  # the prior weighs as this many verdicts
 LOAD_BETA = 0.3  # EWMA weight of the load's observations (blocks per pass, cycle, pass): it changes faster
 FIXED_POINT_STEPS = 12
-STEP_ROWS = 8  # passes up to this many rows keep their own measured offset from the reported line
 FIRST_K = 4  # the first block's size, before any cost was measured
 RATE_SLACK = 0.05  # shapes within this share of the best rate count as tied: the one committing most is taken
 PROBE_EVERY = 16  # after this many blocks of no drafts in a row, one block drafts (acceptance and costs go stale)
@@ -90,7 +89,6 @@ class LoadAware(PolicyBase):
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
         self.pass_line = (0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per row (0, 0: none)
-        self.pass_step: Dict[int, float] = {}  # small passes: measured pass time minus the reported line, per rows
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
@@ -137,18 +135,11 @@ class LoadAware(PolicyBase):
         sessions, blocks = self.sessions, max(self.blocks, 1.0)
         total = draft_ms + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
-            pass_ms = fixed + per_row * blocks * (n + 1) + self.step_ms(blocks * (n + 1))
+            pass_ms = fixed + per_row * blocks * (n + 1)
             busy = min(1.0, (sessions - 1.0) * pass_ms / max(total * blocks, 1e-6))  # the others' share
             total = draft_ms + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
             blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
         return total
-
-    def step_ms(self, rows: float) -> float:
-        """What a pass of this many rows took beyond the reported line, as measured on passes of that many (up to
-        STEP_ROWS rows; 0 where none was): a verifier's cost is not a line in small passes (on the Intel VM one row
-        50 ms, 2-6 rows 67-73 ms: another kernel path from two rows), and a line puts 2-3-row blocks too cheap."""
-        r = int(round(rows))
-        return self.pass_step.get(r, 0.0) if r <= STEP_ROWS else 0.0
 
     def draft_ms(self, depth: int) -> float:
         """d: the wait for a block of this depth, the hop and one drafter pass per level."""
@@ -232,11 +223,6 @@ class LoadAware(PolicyBase):
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
         if feedback.cost_per_row_ms > 0.0 or feedback.cost_fixed_ms > 0.0:
             self.pass_line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_row_ms))
-            rows = int(feedback.pass_rows)
-            if 0 < rows <= STEP_ROWS and feedback.verify_ms > 0.0:
-                off = feedback.verify_ms - self.pass_line[0] - self.pass_line[1] * rows
-                was = self.pass_step.get(rows)
-                self.pass_step[rows] = off if was is None else (1 - fast) * was + fast * off
         if feedback.verify_ms > 0.0:
             cycle = feedback.draft_ms + feedback.network_ms + feedback.overhead_ms + feedback.queue_ms + \
                 feedback.verify_ms
@@ -275,7 +261,6 @@ class LoadAware(PolicyBase):
                 "level_floor_ms": self.level_floor_ms,
                 "verify": self.verify.state_dict(), "overhead_ms": self.overhead_ms, "blocks": self.blocks,
                 "cycle_ms": self.cycle_ms, "pass_obs_ms": self.pass_obs_ms, "pass_line": list(self.pass_line),
-                "pass_step": {str(r): v for r, v in self.pass_step.items()},
                 "seen": self.seen, "max": self.max_k}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -293,7 +278,6 @@ class LoadAware(PolicyBase):
         self.acc = {str(k): _clip(float(v)) for k, v in acc.items()}
         self.judged = {str(k): float(v) for k, v in judged.items()}
         self.pass_line = (fixed, per_row)
-        self.pass_step = {int(r): float(v) for r, v in state.get("pass_step", {}).items()}
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         self.seen = int(state["seen"])
