@@ -14,11 +14,11 @@ pass per level of the shape, each priced at what the coordinator waited per leve
 drafter's queue included (a 5-node tree of depth 2 two passes, a chain of 4 four) — the edge drafter is shared too,
 so at high load its queue grows with the depth every session drafts, and pricing that wait as a fixed overhead
 would make deeper blocks look free and deepen them further; o the EWMA of the rest of the round that does not
-grow with the block (network, the verifier hop, overhead), c(B, R) = fixed + (per_block [+ per_tree for a branched
-tree]) · B + per_row · R the verifier's pass cost against the blocks and rows it scores — measured by the verifier
-over its own passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms /
-cost_per_tree_ms; a block's own term is each session's attention over its own cache, which on the batch-invariant
-path outweighs its rows, and a branched tree gathers its nodes' keys: verifier_service/pass_costs.py) — and N the sessions
+grow with the block (network, the verifier hop, overhead), c(B, R) = fixed + per_block · B + per_row · R the
+verifier's pass cost against the blocks and rows it scores — measured by the verifier over its own passes and sent
+with every result (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each
+session's attention over its own cache, which on the batch-invariant path outweighs its rows:
+verifier_service/pass_costs.py) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -90,7 +90,7 @@ class LoadAware(PolicyBase):
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
-        self.pass_line = (0.0, 0.0, 0.0, 0.0)  # the verifier's reported cost: fixed, per block, per row, per tree ms
+        self.pass_line = (0.0, 0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per block, ms per row (0s: none)
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
@@ -101,7 +101,7 @@ class LoadAware(PolicyBase):
         over; the load signals are taken afresh from the sequence's first result, since the load may have moved
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
-        self.pass_line = (0.0, 0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
+        self.pass_line = (0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
 
     # --- model ---
     def acceptance(self, path: Path) -> float:
@@ -129,12 +129,11 @@ class LoadAware(PolicyBase):
             return 1.0
         return 1.0 + max(self.blocks - 1.0, 0.0) * max(self.cycle_ms, self.pass_obs_ms) / self.pass_obs_ms
 
-    def round_ms(self, n: int, draft_ms: float, branched: bool = False) -> float:
-        """T(n): the closed loop's fixed point with every session sending blocks of n drafts (branched trees or not)."""
+    def round_ms(self, n: int, draft_ms: float) -> float:
+        """T(n): the closed loop's fixed point with every session sending blocks of n drafts."""
         if not self.reported:
             return draft_ms + self.overhead_ms + self.verify.table()[n]
-        fixed, per_block, per_row, per_tree = self.pass_line
-        per_block += per_tree if branched else 0.0
+        fixed, per_block, per_row = self.pass_line
         sessions, blocks = self.sessions, max(self.blocks, 1.0)
         total = draft_ms + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
@@ -150,7 +149,7 @@ class LoadAware(PolicyBase):
 
     def shape_ms(self, shape: Shape) -> float:
         """T(S): the modelled round of a block of this shape."""
-        return self.round_ms(len(shape), self.draft_ms(shapes.depth(shape)), not shapes.is_path(shape))
+        return self.round_ms(len(shape), self.draft_ms(shapes.depth(shape)))
 
     def rate(self, shape: Shape) -> float:
         """E(S)/T(S), tokens per ms."""
@@ -224,8 +223,7 @@ class LoadAware(PolicyBase):
         first = not self.load_seen
         if feedback.batch_size:
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
-        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms),
-                float(feedback.cost_per_tree_ms))
+        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms))
         if any(value > 0.0 for value in line):
             self.pass_line = line
         if feedback.verify_ms > 0.0:
@@ -282,10 +280,10 @@ class LoadAware(PolicyBase):
         line = [float(v) for v in state["pass_line"]]
         if len(line) == 2:  # a state saved before the verifier reported a block's own cost
             line = [line[0], 0.0, line[1]]
-        fixed, per_block, per_row, per_tree = (line + [0.0])[:4]  # no tree term before the verifier reported one
+        fixed, per_block, per_row = line
         self.acc = {str(k): _clip(float(v)) for k, v in acc.items()}
         self.judged = {str(k): float(v) for k, v in judged.items()}
-        self.pass_line = (fixed, per_block, per_row, per_tree)
+        self.pass_line = (fixed, per_block, per_row)
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         self.seen = int(state["seen"])

@@ -27,11 +27,6 @@ def chain(k: int) -> Shape:
     return tuple((0,) * i for i in range(1, max(int(k), 0) + 1))
 
 
-def is_path(shape: Shape) -> bool:
-    """Whether the shape is one path (each node the child of the one before): the verifier reads it as a chain."""
-    return all(len(p) == i + 1 and (i == 0 or p[:-1] == shape[i - 1]) for i, p in enumerate(shape))
-
-
 def depth(shape: Shape) -> int:
     """Drafter passes the shape takes: its deepest node's depth (0 for no drafts)."""
     return max((len(p) for p in shape), default=0)

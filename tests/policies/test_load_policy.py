@@ -228,18 +228,5 @@ def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
         settled(by_rows, 1, path=path, batch=8, queue_ms=60.0, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=2.25))
         settled(by_blocks, 1, path=path, batch=8, queue_ms=60.0,
                 cost=dict(cost_fixed_ms=45.0, cost_per_block_ms=6.0, cost_per_row_ms=1.25))
-    assert by_rows.pass_line == (45.0, 0.0, 2.25, 0.0) and by_blocks.pass_line == (45.0, 6.0, 1.25, 0.0)
+    assert by_rows.pass_line == (45.0, 0.0, 2.25) and by_blocks.pass_line == (45.0, 6.0, 1.25)
     assert len(by_blocks.next_shape(TREE)) > len(by_rows.next_shape(TREE))
-
-
-def test_a_dearer_branched_tree_gives_way_to_a_chain():
-    """A sibling that pays at the verifier's row cost (the test above's tree) stops paying when the verifier reports
-    that a branched tree block costs more than a chain of its rows: the block becomes a chain."""
-    cheap, dear = LoadAware(max=5), LoadAware(max=5)
-    for i in range(80):
-        path = ((0, 3), (0,), (1,), (1,))[i % 4]
-        settled(cheap, 1, path=path, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=1.0))
-        settled(dear, 1, path=path, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=1.0, cost_per_tree_ms=100.0))
-    assert not shapes.is_path(cheap.next_shape(TREE))
-    assert shapes.is_path(dear.next_shape(TREE))
-    assert shapes.is_path(shapes.chain(3)) and shapes.is_path(((1,), (1, 0))) and not shapes.is_path(TREE[:2])
