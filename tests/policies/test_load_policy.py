@@ -18,13 +18,13 @@ PASS = dict(cost_fixed_ms=41.6, cost_per_row_ms=4.25)  # the edge fit of docs/re
 
 
 def settled(policy: LoadAware, blocks: int, *, accepted: int = 3, drafted: int = 5, path=(0, 3), batch: int = 1,
-            queue_ms: float = 0.0, verify_ms: float = 60.0) -> None:
+            queue_ms: float = 0.0, verify_ms: float = 60.0, cost=PASS) -> None:
     """Feed `blocks` verdicts of one shape at one load (RTT 50: network 50 ms; drafting 2.5 ms per draft)."""
     for _ in range(blocks):
         policy.next_k()
         policy.update(BlockFeedback(accepted, drafted, draft_ms=1.0 + 2.5 * drafted, verify_ms=verify_ms,
                                     queue_ms=queue_ms, network_ms=50.0, overhead_ms=3.0, path=path, batch_size=batch,
-                                    **PASS))
+                                    **cost))
 
 
 def test_registered_for_trees_with_its_bound():
@@ -166,3 +166,15 @@ def test_sampling_with_load_aware_tree_sizes_is_the_verifiers_distribution(loade
     assert len(sizes) >= 2, sizes
     p_first, p_joint = first_two_p_values(verifier, ids, params, counts, n)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
+    """Two verifiers whose passes of 6-row blocks cost the same, one by rows only, one mostly by blocks (each session's
+    own attention, as on the batch-invariant path): on the second a draft row is cheap beside the block it rides in,
+    so at the same crowd the policy keeps more of the tree."""
+    by_rows, by_blocks = LoadAware(max=5), LoadAware(max=5)
+    settled(by_rows, 60, batch=8, queue_ms=60.0, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=2.25))
+    settled(by_blocks, 60, batch=8, queue_ms=60.0,
+            cost=dict(cost_fixed_ms=45.0, cost_per_block_ms=6.0, cost_per_row_ms=1.25))
+    assert by_rows.pass_line == (45.0, 0.0, 2.25) and by_blocks.pass_line == (45.0, 6.0, 1.25)
+    assert by_rows.next_k() == 1 and by_blocks.next_k() == 4
