@@ -66,6 +66,7 @@ def test_the_verifier_times_its_anchor_passes_on_itself(tmp_path):
     anchors = anchor_passes(model)
     assert [(b, r) for b, r, _ in anchors] == [(b, b * r) for b, r in SHAPES]
     assert all(ms > 0 for _, _, ms in anchors)
+    assert anchor_passes(model) == anchors  # timed once per model, plan and thread count
 
 
 async def test_every_result_carries_the_passes_rows_and_cost_line(tmp_path):
