@@ -72,8 +72,6 @@ def _solve(xx: np.ndarray, xy: np.ndarray) -> Tuple[float, float, float]:
         if not negative:
             break
         free = [i for i in free if i not in negative]
-    else:  # pragma: no cover - three drops leave only the intercept, which the loop solves first
-        pass
     if full[0] < 0.0:  # a line through the data would start below zero: the passes' mean cost over their rows
         rows = xx[0, 2] / max(xx[0, 0], 1e-9)
         full = np.array([0.0, 0.0, (xy[0] / max(xx[0, 0], 1e-9)) / max(rows, 1.0)])
