@@ -85,6 +85,7 @@ class Proposal:
     draft_ms: float = 0.0
     sent_at: float = field(default_factory=time.perf_counter)  # feedback - sent_at: verify + queue + network
     fed: Optional[List[int]] = None  # a tree's: the nodes in the drafter's cache after the committed tokens, in order
+    shape: Optional[object] = None  # a tree's: the block's shape (decoding.trees.TreeShape), not always a prefix
 
 
 @dataclass

@@ -238,7 +238,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
         session.seq += 1
         n = len(session.committed)
         session.proposal = Proposal(seq=session.seq, committed_length=n, draft_ids=out.draft_ids,
-                                    draft_ms=out.draft_ms, fed=out.fed)
+                                    draft_ms=out.draft_ms, fed=out.fed, shape=out.shape)
         self.table.blocks_total += 1
         block = wire.encode_block(session.seq, n, out.draft_ids, out.q, out.draft_ms)
         session.kind.encode_block(session, out, block)

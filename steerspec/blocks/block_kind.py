@@ -41,6 +41,7 @@ class DraftOutput:
     kept: int = 0  # SPRINTER: leading drafts committed without verification (DraftBlock.kept)
     head_kept: int = 0  # SPRINTER: drafts the classifier kept, the run's last one included (DraftBlock.head_kept)
     fed: Optional[List[int]] = None  # a tree's nodes in the drafter's cache, in order (Proposal.fed)
+    shape: Optional[object] = None  # a tree block's shape (decoding.trees.TreeShape; Proposal.shape)
 
 
 @dataclass

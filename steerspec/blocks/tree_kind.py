@@ -6,6 +6,10 @@ one q row per parent (`trees.q_parents`: siblings are drawn from one distributio
 batch scored in one packed pass (each row with its own positions and ancestor mask), then each session's own walk
 (greedy; recursive rejection sampling over siblings drawn without replacement; traversal verification for block-
 verified sessions); the caches keep the accepted path. Near the budget a tree is cut to a breadth-first prefix.
+
+A policy with `next_shape` (the load-aware one) may draft another shape than a prefix of the session's tree (a chain,
+a tree grown from acceptance, of at most the tree's nodes): the block then carries it as DraftBlock.parents, and
+the coordinator, the verifier and the drafter's feedback all read the block's shape from there (`block_shape`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from steerspec.decoding.engine import DecodeConfig
 from steerspec.decoding.outcomes import Outcome, log_probs, tree_outcomes
 from steerspec.decoding.sampling import SparseDist
 from steerspec.decoding.tree_decoding import TreeRow, cached_path, draft_tree, draft_tree_steps, draft_trees, \
-    finish_tree, tree_feed, tree_generate
-from steerspec.decoding.trees import TreeShape, cut_to_depth, node_q_rows, prefix, q_parents
+    finish_tree, policy_tree, tree_feed, tree_generate
+from steerspec.decoding.trees import TreeShape, cut_to_depth, from_parents, node_q_rows, prefix, q_parents
 from steerspec.models.batched import can_batch, packed_extend
 from steerspec.models.kv import FastCachedLM
 from steerspec.serving import wire
@@ -51,22 +55,29 @@ class TreeKind(BlockKind):
 
     # -- the coordinator's round -------------------------------------------------------------------------
     def room(self, mode, room: int) -> int:
-        """Its nodes down to depth room - 1 (the cut the in-process engine makes near the budget)."""
-        return cut_to_depth(mode.tree, room - 1).size
+        """The deepest level a block may keep when `room` tokens are left (a path commits its nodes + 1): room - 1.
+        `cut` takes a depth, since a block's shape may be deeper than the session's tree (a chain)."""
+        return room - 1
 
     def cut(self, mode, block: common_pb2.DraftBlock, keep: int) -> None:
-        """Keep the first `keep` nodes and the q rows of their parents (which come first) or of each node."""
-        keep = max(keep, 0)
-        rows = keep
-        if block.HasField("q") and block.q.support and len(block.draft_ids) > keep:
+        """Keep the block's nodes down to depth `keep` (a breadth-first prefix) and the q rows of their parents
+        (which come first) or of each node."""
+        shape = block_shape(mode.tree, len(block.draft_ids), int(block.seq), block.parents)
+        kept = cut_to_depth(shape, max(keep, 0))
+        nodes = rows = kept.size
+        if nodes >= shape.size:
+            return
+        if block.HasField("q") and block.q.support:
             if len(block.q.ids) != len(block.draft_ids) * block.q.support:  # one row per parent
-                rows = len(q_parents(prefix(mode.tree, keep)))
-        cut_rows(block, keep, rows)
+                rows = len(q_parents(kept))
+        cut_rows(block, nodes, rows)
+        if block.parents:
+            del block.parents[nodes:]
 
     def accepted_drafts(self, mode, block: common_pb2.DraftBlock, result: common_pb2.VerifyResult) -> List[int]:
         """The nodes along the accepted path (checked against the block's tree)."""
-        wire.check_path(prefix(mode.tree, len(block.draft_ids)), list(result.path), int(result.accepted),
-                        int(block.seq))
+        wire.check_path(block_shape(mode.tree, len(block.draft_ids), int(block.seq), block.parents),
+                        list(result.path), int(result.accepted), int(block.seq))
         return [int(block.draft_ids[node]) for node in result.path]
 
     # -- the drafter service -----------------------------------------------------------------------------
@@ -96,7 +107,8 @@ class TreeKind(BlockKind):
         for session, shape in zip(sessions, shapes):
             row = TreeRow(session.lm, session.committed, shape,
                           DecodeConfig(sampling=session.params, draft_top_k=session.draft_top_k), session.generator)
-            drafter.steer_first_feed(session, row)
+            if shape.size:  # a block of no drafts feeds nothing (`draft_tree_steps`)
+                drafter.steer_first_feed(session, row)
             rows.append(row)
         return rows
 
@@ -141,19 +153,24 @@ class TreeKind(BlockKind):
 
     @staticmethod
     def shape(drafter, session) -> TreeShape:
-        """The first nodes of the session's tree its policy sizes the block to (breadth-first), down to the depth
-        its budget allows, within the drafter's context."""
-        tree = session.mode.tree
-        nodes = max(min(int(session.policy.next_k()), session.k), 0)
+        """The block's tree (`tree_decoding.policy_tree`), down to the depth its budget allows, within the drafter's
+        context."""
+        chosen = policy_tree(session.policy, session.mode.tree)
+        chosen = prefix(chosen, max(min(chosen.size, int(session.k)), 0))
         budget = session.budget()  # the verifier adds one token (recovered or bonus) after the path itself
-        depth = tree.depth if budget is None else rounds.block_k(tree.depth, budget)
-        return prefix(cut_to_depth(tree, depth), min(nodes, drafter.context - len(session.committed)))
+        depth = chosen.depth if budget is None else rounds.block_k(chosen.depth, budget)
+        return prefix(cut_to_depth(chosen, depth), drafter.context - len(session.committed))
+
+    def encode_block(self, session, out: DraftOutput, block: common_pb2.DraftBlock) -> None:
+        """A shape that is not the first nodes of the session's tree travels as its parents."""
+        if out.shape is not None and out.shape != prefix(session.mode.tree, out.shape.size):
+            block.parents.extend(out.shape.parents)
 
     def outcomes(self, drafter, session, limit: int) -> List[Outcome]:
         """The likeliest (path, next token) of the tree in flight, from one drafter pass over [pending, nodes...]
         with the tree's ancestor mask (`Drafter.rescore`)."""
         tokens = session.proposal.draft_ids
-        shape = prefix(session.mode.tree, len(tokens))
+        shape = proposal_shape(session)
         n = session.proposal.committed_length
         feed, positions, visible = tree_feed(session.committed[-1], tokens, shape, n - 1)
         logits = drafter.rescore(session, feed, positions, visible)
@@ -163,8 +180,7 @@ class TreeKind(BlockKind):
 
     def check_feedback(self, session, result: common_pb2.VerifyResult) -> None:
         proposal = session.proposal
-        wire.check_path(prefix(session.mode.tree, len(proposal.draft_ids)), list(result.path), int(result.accepted),
-                        proposal.seq)
+        wire.check_path(proposal_shape(session), list(result.path), int(result.accepted), proposal.seq)
 
     def feedback(self, drafter, session, verdict: Verdict) -> None:
         """Commit the path's tokens and the next one; the cache keeps the path's nodes it holds."""
@@ -173,9 +189,10 @@ class TreeKind(BlockKind):
         path = list(verdict.path)
         session.committed.extend(proposal.draft_ids[node] for node in path)
         session.committed.append(int(verdict.next_token))
-        session.lm.keep(n, cached_path(path, proposal.fed, n))
+        if session.lm.length >= n:  # a block of no drafts fed nothing: the next block feeds the tail
+            session.lm.keep(n, cached_path(path, proposal.fed, n))
         if verdict.timing is not None and (proposal.draft_ids or getattr(session.policy, "min_k", 1) == 0):
-            session.policy.update(replace(verdict.timing, path=tuple(path)))
+            session.policy.update(replace(verdict.timing, path=tuple(path), shape=proposal_shape(session).paths))
 
     # -- the verifier service ----------------------------------------------------------------------------
     def max_block(self, mode, max_k: int) -> int:
@@ -189,7 +206,7 @@ class TreeKind(BlockKind):
                                 "session without a tree")
 
     def admit(self, session, msg: common_pb2.DraftBlock, vocab_size: int) -> Tuple[WireBlock, TreeBlock]:
-        shape = block_shape(session.mode.tree, len(msg.draft_ids), msg.seq)
+        shape = block_shape(session.mode.tree, len(msg.draft_ids), msg.seq, msg.parents)
         block = wire.decode_block(msg, vocab_size, session.greedy, shape)
         checked = TreeBlock(shape, None if (block.q is None or session.greedy) else parents_q(shape, block.q))
         refuse_kept(block)
@@ -245,7 +262,7 @@ def output(shape: TreeShape, drafted, batch_size: int = 1) -> DraftOutput:
         q = SparseDist(ids=torch.cat([r.ids for r in rows]), probs=torch.cat([r.probs for r in rows]),
                        floor=None if rows[0].floor is None else torch.cat([r.floor for r in rows]),
                        vocab=rows[0].vocab)
-    return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed, batch_size=batch_size)
+    return DraftOutput(draft_ids=tokens, q=q, draft_ms=0.0, fed=fed, batch_size=batch_size, shape=shape)
 
 
 def parents_q(shape: TreeShape, q: SparseDist) -> Dict[int, SparseDist]:
@@ -268,9 +285,24 @@ def parents_q(shape: TreeShape, q: SparseDist) -> Dict[int, SparseDist]:
     return out
 
 
-def block_shape(tree: TreeShape, k: int, seq: int) -> TreeShape:
-    """The tree a block of k draft tokens carries: the session's first k nodes (OUT_OF_RANGE past its size)."""
+def block_shape(tree: TreeShape, k: int, seq: int, parents: Sequence[int] = ()) -> TreeShape:
+    """The tree a block of k draft tokens carries: the one its parents give (DraftBlock.parents), else the session's
+    first k nodes; OUT_OF_RANGE past the tree's size, INVALID_ARGUMENT for parents that are not a tree of k nodes."""
     if k > tree.size:
         raise ProtocolError(grpc.StatusCode.OUT_OF_RANGE,
                             f"block {seq} has {k} draft tokens; the session's tree has {tree.size} nodes")
-    return prefix(tree, k)
+    if not parents:
+        return prefix(tree, k)
+    if len(parents) != k:
+        raise invalid(f"block {seq} has {k} draft tokens but {len(parents)} parents; send one per node (or none)")
+    try:
+        return from_parents(parents)
+    except ValueError as exc:
+        raise invalid(f"block {seq}: {exc}") from None
+
+
+def proposal_shape(session) -> TreeShape:
+    """The tree of the drafter session's block in flight (Proposal.shape; a prefix of its tree if unset)."""
+    proposal = session.proposal
+    shape = getattr(proposal, "shape", None)
+    return shape if shape is not None else prefix(session.mode.tree, len(proposal.draft_ids))

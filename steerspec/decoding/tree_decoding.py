@@ -35,6 +35,7 @@ from steerspec.decoding.trees import (
     TreeShape,
     ancestor_mask,
     cut_to_depth,
+    from_paths,
     greedy_walk,
     parse_tree,
     prefix,
@@ -140,8 +141,10 @@ def draft_trees(rows: Sequence[TreeRow]) -> List[Drafted]:
 
 
 def draft_tree_steps(rows: Sequence[TreeRow]) -> "Steps[List[Drafted]]":
-    """`draft_trees`, yielding after each forward pass (drafting ahead: drafter_service/ahead.py)."""
-    feed = [i for i, row in enumerate(rows) if row.first_logits is None]
+    """`draft_trees`, yielding after each forward pass (drafting ahead: drafter_service/ahead.py). A row of no
+    nodes (a block of no drafts) runs no pass: its committed tail waits in `committed` for the next block's feed,
+    which takes any number of tokens, so the drafter spends nothing on blocks the verifier answers alone."""
+    feed = [i for i, row in enumerate(rows) if row.first_logits is None and row.shape.size]
     roots: Dict[int, Tensor] = {}
     if feed:
         outs = packed_extend([rows[i].lm for i in feed], [list(rows[i].committed[rows[i].lm.length:]) for i in feed])
@@ -150,6 +153,9 @@ def draft_tree_steps(rows: Sequence[TreeRow]) -> "Steps[List[Drafted]]":
     drafted: List[Drafted] = []
     for i, row in enumerate(rows):
         tokens, q_at = [0] * row.shape.size, {}
+        if not row.shape.size:
+            drafted.append((tokens, [], q_at))
+            continue
         root = roots[i] if i in roots else row.first_logits[-1]
         _fill(row.shape, -1, root, tokens, q_at, row.config, row.generator, row.distinct)
         drafted.append((tokens, [], q_at))
@@ -247,6 +253,15 @@ def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: Dec
     return walk(shape, tokens, p_rows, q_dense, generator, distinct)
 
 
+def policy_tree(policy: DraftLengthPolicy, tree: TreeShape) -> TreeShape:
+    """The tree a block drafts under `policy`: the shape it picks (`next_shape`: a chain, a prefix of `tree` or a
+    grown tree, at most `tree`'s nodes) or `tree`'s first next_k() nodes, breadth-first."""
+    pick = getattr(policy, "next_shape", None)
+    chosen = from_paths(pick(tree.paths)) if pick is not None else tree
+    n = chosen.size if pick is not None else int(policy.next_k())
+    return prefix(chosen, max(min(n, tree.size), 0))
+
+
 def tree_generate(
     verifier,
     drafter,
@@ -279,25 +294,27 @@ def tree_generate(
         seed_block(g_draft, base_seed, n)  # a block's draws: the seed and the prefix only (rounds.block_seed)
         here = cut_to_depth(shape, room - 1)
         if policy is not None:
-            here = prefix(here, max(min(int(policy.next_k()), here.size), 0))
+            here = cut_to_depth(policy_tree(policy, shape), room - 1)
         tokens, fed, q_at = draft_tree(drafter, committed, here, config, g_draft, distinct)
         t1 = time.perf_counter()
         path, next_token, hidden = verify_tree(verifier, committed[-1], tokens, here, layers, config, q_at, g_verify,
                                                distinct)
         t2 = time.perf_counter()
-        drafter.keep(n, cached_path(path, fed, n))
+        if drafter.length >= n:  # after a block of no drafts the tail is fed with the next block
+            drafter.keep(n, cached_path(path, fed, n))
         rest = [i for i in range(len(tokens)) if i not in path]
         order = [tokens[i] for i in path] + [tokens[i] for i in rest]
         block = DraftBlock(tokens=torch.tensor([order], dtype=torch.long), lengths=torch.tensor([len(order)]))
-        paths.append(tuple(path))
+        paths.append((tuple(path), here.paths))
         return RoundOut(block, len(path), next_token, hidden, t1 - t0, t2 - t1)
 
-    paths: List[tuple] = []  # each block's accepted nodes, for the policy's feedback
+    paths: List[tuple] = []  # each block's accepted nodes and its shape, for the policy's feedback
 
     def after_round(stats) -> None:
         if policy is not None and (stats.drafted or getattr(policy, "min_k", 1) == 0):
             policy.update(BlockFeedback(stats.accepted, stats.drafted, draft_ms=stats.draft_ms,
-                                        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, path=paths[-1]))
+                                        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, path=paths[-1][0],
+                                        shape=paths[-1][1]))
 
     if policy is not None:
         policy.reset()

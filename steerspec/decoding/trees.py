@@ -95,6 +95,31 @@ def parse_tree(spec: str) -> TreeShape:
     return TreeShape(tuple(ordered), tuple(p[-1] for p in ordered), parents, tuple(len(p) for p in ordered))
 
 
+def from_paths(paths: Sequence[Sequence[int]]) -> TreeShape:
+    """The tree of these rank paths (any order; none: the empty tree); ValueError as `parse_tree`."""
+    if not paths:
+        return TreeShape((), (), (), ())
+    return parse_tree(",".join("".join(str(int(r)) for r in p) for p in paths))
+
+
+def from_parents(parents: Sequence[int]) -> TreeShape:
+    """The tree whose node i has parent parents[i] (-1: the root), nodes breadth-first, each parent's children in
+    rank order: a block's shape as the wire carries it (DraftBlock.parents). ValueError naming the fault."""
+    paths: List[Tuple[int, ...]] = []
+    for i, parent in enumerate(int(p) for p in parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a node's parent must be -1 (the root) or an earlier node")
+        above = paths[parent] if parent >= 0 else ()
+        rank = sum(1 for p in paths if p[:-1] == above)
+        if rank > MAX_RANK:
+            raise ValueError(f"node {i} would be child {rank} of its parent; at most {MAX_RANK + 1} children")
+        paths.append(above + (rank,))
+    shape = from_paths(paths)
+    if list(shape.paths) != paths:
+        raise ValueError(f"parents {list(parents)} are not breadth-first (by depth, then parent, then rank)")
+    return shape
+
+
 def prefix(shape: TreeShape, size: int) -> TreeShape:
     """The tree of `shape`'s first `size` nodes (breadth-first, so parents come first): what a block cut
     to `size` draft tokens carries (a depth cut near the token budget is one too)."""

@@ -50,6 +50,7 @@ class BlockFeedback:
     network_ms: float = 0.0
     overhead_ms: float = 0.0
     path: Tuple[int, ...] = ()  # a tree block's accepted nodes (slots), root to leaf; () for a chain
+    shape: Tuple[Tuple[int, ...], ...] = ()  # a tree block's nodes as rank paths, breadth-first; () for a chain
     draft_compute_ms: float = 0.0  # the drafter's own compute for the block (draft_ms also holds the hop; 0: unknown)
     # the verifier's load as it reports it with the result (0 when unknown: in process, an older verifier)
     batch_size: int = 0  # blocks in the pass that verified this one

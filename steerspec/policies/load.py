@@ -1,6 +1,6 @@
 """Load-aware block sizes: each block's size maximises committed tokens per second given the verifier's load.
 
-A block of n drafts (a chain's k, or a draft tree's first n nodes breadth-first; n = 0 is the verifier alone, one
+A block of n drafts (a chain's k, or a draft tree's first n nodes in `cut_order`; n = 0 is the verifier alone, one
 token per round trip) commits E(n) = 1 + Σ_{i<n} p_i tokens on average, p_i the chance that slot i ends on the
 accepted path (for a chain: the first i + 1 drafts accepted), learned per slot from the verdicts (a running mean
 from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
@@ -22,6 +22,13 @@ gains); B of them arrive during a pass and share the next one; a block waits on 
 busy share the other sessions keep the verifier at. Without a report (in process, or an older verifier) P is the
 session's own verify cost line and N = 1: then the choice is the `latency` policy's without its stop.
 
+A tree session's block is the tree's first n nodes in `cut_order` — the top-1 chain first, then the paths with one
+second choice, and so on — rather than breadth-first: a draft's top-1 child is accepted far more often than its
+sibling (the default tree "0,1,2,00,10" on smollm2-sd2: "00" 45% of blocks, "1" 12%), so a cut of two nodes is the
+chain "0,00" (τ 1 + .65 + .45) and not the siblings "0,1" (1 + .65 + .12), and on the batch-invariant verifier a
+path is also the cheaper block (its keys read in place, not gathered). A cut that is not a breadth-first prefix of the
+session's tree travels as DraftBlock.parents (`blocks.tree_kind`); slot i is the tree's i-th node in this order.
+
 A worked example with the pass cost measured on an AMD EPYC VM (2 cores, edge placement, RTT 50, float32: c = 41.6 ms
 + 4.25 ms per row, no block term, docs/results/capacity.md) and the default tree's slots accepted 65, 12, 5, 45 and 8% of the time:
 alone on the verifier the model prices the tree's first 4 nodes at 1.8× the verifier alone's tokens per second;
@@ -31,7 +38,7 @@ then costs every session more than the draft earns).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from steerspec.policies.base import BlockFeedback, PolicyBase, check_k, check_open_unit
 from steerspec.policies.catalog import Key, register
@@ -45,8 +52,18 @@ FIRST_K = 4  # the first block's size, before any cost was measured
 STALE = 0.01  # a size whose cost-line weight fell below this was not measured recently
 
 
+Path = Tuple[int, ...]
+
+
 def _clip(p: float) -> float:
     return min(CLIP[1], max(CLIP[0], p))
+
+
+def cut_order(paths: Sequence[Sequence[int]]) -> List[Path]:
+    """A tree's nodes (rank paths) in the order blocks smaller than the tree take them: by rank sum (the top-1 chain
+    first), then depth, then path. A parent comes before its children (no larger rank sum, shallower), so every
+    prefix of the order is a tree."""
+    return sorted((tuple(int(r) for r in p) for p in paths), key=lambda p: (sum(p), len(p), p))
 
 
 @register("load", {"max": Key(int, 32, "most tokens per block"),
@@ -82,6 +99,7 @@ class LoadAware(PolicyBase):
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
+        self.slots: Dict[Path, int] = {}  # a tree's nodes (rank paths) -> slots, set by next_shape
 
     def reset(self) -> None:
         """A new sequence: what describes the pair and the link (acceptance per slot, the drafter's cost) carries
@@ -132,6 +150,13 @@ class LoadAware(PolicyBase):
         rates = self.rates()
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
+    def next_shape(self, tree: Sequence[Sequence[int]]) -> Tuple[Path, ...]:
+        """A tree session's block: the tree's first next_k() nodes in `cut_order`, breadth-first."""
+        order = cut_order(tree)
+        self.slots = {path: i for i, path in enumerate(order)}
+        chosen = order[:min(self.next_k(), len(order))]
+        return tuple(sorted(chosen, key=lambda p: (len(p), p)))
+
     def next_k(self) -> int:
         """The best size; while fewer than two sizes were measured recently (the cost lines are not identified),
         the first block drafts min(FIRST_K, max) and later ones the best ± 1."""
@@ -167,11 +192,20 @@ class LoadAware(PolicyBase):
         drafted = min(int(feedback.drafted), self.max_k)
         self.draft.add(drafted + 1, compute)
         self.verify.add(drafted + 1, feedback.verify_ms)
-        on_path = set(feedback.path) if feedback.path else set(range(int(feedback.accepted)))
-        for i in range(drafted):  # every drafted slot was judged: on the accepted path or not
+        judged, on_path = self._slots(feedback, drafted)
+        for i in judged:  # every drafted slot was judged: on the accepted path or not
             w = max(b, 1.0 / (self.judged[i] + PRIOR_COUNT + 1.0))
             self.include[i] = _clip((1 - w) * self.include[i] + w * (1.0 if i in on_path else 0.0))
             self.judged[i] += 1.0
+
+    def _slots(self, feedback: BlockFeedback, drafted: int) -> Tuple[List[int], set]:
+        """The slots a block drafted and those on its accepted path: a tree block's nodes by their place in the
+        tree's `cut_order` (its shape names them), else the first `drafted` slots and a chain's accepted prefix."""
+        if feedback.shape and all(tuple(p) in self.slots for p in feedback.shape):
+            slot = [self.slots[tuple(p)] for p in feedback.shape]
+            return [i for i in slot if i < self.max_k], {slot[node] for node in feedback.path}
+        on_path = set(feedback.path) if feedback.path else set(range(int(feedback.accepted)))
+        return list(range(drafted)), on_path
 
     def state_dict(self) -> Dict[str, Any]:
         return {"include": list(self.include), "judged": list(self.judged), "draft": self.draft.state_dict(),

@@ -37,7 +37,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent", "kept", "head_kept", "sprinter_lambda", "ahead", "ahead_hit", "ahead_prepared", "ahead_ms")
+    __slots__ = ("seq", "committed_length", "draft_ids", "q", "draft_ms", "policy_state", "traceparent", "kept", "head_kept", "sprinter_lambda", "ahead", "ahead_hit", "ahead_prepared", "ahead_ms", "parents")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class DraftBlock(_message.Message):
     AHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_PREPARED_FIELD_NUMBER: _ClassVar[int]
     AHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     committed_length: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -66,7 +67,8 @@ class DraftBlock(_message.Message):
     ahead_hit: bool
     ahead_prepared: int
     ahead_ms: float
-    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ..., head_kept: _Optional[int] = ..., sprinter_lambda: _Optional[float] = ..., ahead: _Optional[bool] = ..., ahead_hit: _Optional[bool] = ..., ahead_prepared: _Optional[int] = ..., ahead_ms: _Optional[float] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., draft_ms: _Optional[float] = ..., policy_state: _Optional[str] = ..., traceparent: _Optional[str] = ..., kept: _Optional[int] = ..., head_kept: _Optional[int] = ..., sprinter_lambda: _Optional[float] = ..., ahead: _Optional[bool] = ..., ahead_hit: _Optional[bool] = ..., ahead_prepared: _Optional[int] = ..., ahead_ms: _Optional[float] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SprinterLabels(_message.Message):
     __slots__ = ("tp", "fn", "fp", "tn", "r", "tv_pq_sum", "moved_sum")

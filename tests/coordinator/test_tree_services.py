@@ -153,21 +153,27 @@ async def test_the_verifier_checks_a_tree_blocks_shape_and_rows(pair):
 
 @pytest.mark.parametrize("per_parent", [True, False], ids=["per-parent", "per-node"])
 def test_the_coordinator_cuts_a_tree_blocks_q_rows_with_its_nodes(per_parent):
-    """A block cut to k nodes keeps the rows of those nodes: with one row per parent, the rows of their parents
-    (`trees.q_parents` of the tree's first k nodes), which come first."""
+    """A block cut to a depth keeps its nodes down to it (a breadth-first prefix) and their rows: with one row per
+    parent, the rows of their parents (`trees.q_parents`), which come first. A block carrying its own shape
+    (DraftBlock.parents: a chain here) is cut by that shape, its parents with it."""
     from steerspec.blocks.block_mode import parse_mode
     from steerspec.blocks.kinds import kind_of
 
     mode = parse_mode(tree="0,1,2,00,10")  # parents -1, -1, -1, 0, 1
     kind = kind_of(mode)
-    for k, rows in ((4, 2), (3, 1), (5, 3)):
+    assert kind.room(mode, 3) == 2  # a path of depth 2 and the verifier's token
+    for depth, k, rows in ((1, 3, 1), (2, 5, 3), (0, 0, 0)):
         n = 3 if per_parent else 5
         q = common_pb2.SparseDistribution(ids=list(range(2 * n)), probs=bytes(4 * n), support=2)
         block = common_pb2.DraftBlock(seq=1, draft_ids=[1, 2, 3, 4, 5], q=q)
-        kind.cut(mode, block, k)
-        want = rows if per_parent else k
+        kind.cut(mode, block, depth)
+        want = (rows if per_parent else k) if k < 5 else n
         assert list(block.draft_ids) == [1, 2, 3, 4, 5][:k]
         assert list(block.q.ids) == list(range(2 * want)) and len(block.q.probs) == 4 * want
+    q = common_pb2.SparseDistribution(ids=list(range(8)), probs=bytes(16), support=2)  # a chain: a row per node
+    block = common_pb2.DraftBlock(seq=2, draft_ids=[1, 2, 3, 4], q=q, parents=[-1, 0, 1, 2])
+    kind.cut(mode, block, 2)
+    assert list(block.draft_ids) == [1, 2] and list(block.parents) == [-1, 0] and list(block.q.ids) == [0, 1, 2, 3]
 
 
 async def test_the_drafter_sends_one_q_row_per_parent(pair):

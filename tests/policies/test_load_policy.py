@@ -12,6 +12,7 @@ from steerspec.decoding.sampling import SamplingParams
 from steerspec.decoding.tree_decoding import tree_generate
 from steerspec.models.backends import cached_lm
 from steerspec.policies import BlockFeedback, LoadAware, make_policy
+from steerspec.policies.load import cut_order
 from steerspec.policies.registry import known_policies, max_block
 
 PASS = dict(cost_fixed_ms=41.6, cost_per_row_ms=4.25)  # the edge fit of docs/results/capacity.md (AMD EPYC)
@@ -52,6 +53,24 @@ def test_a_crowded_verifier_shrinks_the_block_to_what_pays_for_every_session():
     weak = LoadAware(max=5)
     settled(weak, 60, accepted=0, drafted=5, path=(), batch=8, queue_ms=60.0)
     assert weak.next_k() == 0  # nothing the drafter proposes is accepted: the verifier alone
+
+
+def test_a_tree_is_cut_chain_first_and_its_slots_follow_the_cut():
+    """Below the tree's size a block takes the top-1 chain first ("0,1,2,00,10" cut to two nodes is the chain
+    "0,00", not the siblings "0,1"); a verdict on such a block credits the slots of its own nodes in that order."""
+    tree = [(0,), (1,), (2,), (0, 0), (1, 0)]
+    assert cut_order(tree) == [(0,), (0, 0), (1,), (1, 0), (2,)]
+    assert cut_order([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])[:4] == [(0,), (0, 0), (0, 0, 0), (1,)]
+    policy = LoadAware(max=5)
+    shape = policy.next_shape(tree)
+    assert shape == tuple(sorted(cut_order(tree)[:policy.last_k], key=lambda p: (len(p), p)))
+    before = list(policy.include)
+    policy.update(BlockFeedback(2, 2, draft_ms=5.0, verify_ms=40.0, network_ms=50.0, path=(0, 1),
+                                shape=((0,), (0, 0))))
+    assert policy.include[1] > before[1] and policy.include[2] == before[2]  # "00" accepted; "1" not drafted
+    policy.update(BlockFeedback(1, 2, draft_ms=5.0, verify_ms=40.0, network_ms=50.0, path=(0,),
+                                shape=((0,), (1,))))  # a breadth-first cut: "1" is slot 2
+    assert policy.include[2] < before[2] and policy.judged[:3] == [2.0, 1.0, 1.0]
 
 
 def test_the_choice_follows_the_load_back():
