@@ -217,29 +217,29 @@ class Counters:
     """The services' cumulative load counters (ServiceStats) at one moment."""
 
     at: float
-    verifier: Tuple[int, int, float]  # passes, rows, busy_s
-    drafters: Tuple[int, int, float]  # summed over the drafter processes
+    verifier: Tuple[int, int, float, int]  # passes, rows, busy_s, blocks
+    drafters: Tuple[int, int, float, int]  # summed over the drafter processes
 
     def minus(self, earlier: "Counters") -> Dict[str, float]:
         wall = max(self.at - earlier.at, 1e-9)
-        vp, vr, vb = (a - b for a, b in zip(self.verifier, earlier.verifier))
-        dp, dr, db = (a - b for a, b in zip(self.drafters, earlier.drafters))
+        vp, vr, vb, vn = (a - b for a, b in zip(self.verifier, earlier.verifier))
+        dp, dr, db, _ = (a - b for a, b in zip(self.drafters, earlier.drafters))
         return {"wall_s": wall, "verifier_passes": vp, "verifier_rows": vr, "verifier_busy_s": vb,
-                "drafter_calls": dp, "drafter_blocks": dr, "drafter_busy_s": db}
+                "verifier_blocks": vn, "drafter_calls": dp, "drafter_blocks": dr, "drafter_busy_s": db}
 
 
 async def counters(deployment: Deployment) -> Counters:
-    async def one(address: str, stub_type, request, method: str) -> Tuple[int, int, float]:
+    async def one(address: str, stub_type, request, method: str) -> Tuple[int, int, float, int]:
         async with grpc.aio.insecure_channel(address) as channel:
             response = await getattr(stub_type(channel), method)(request, timeout=10)
         s = response.stats
-        return int(s.passes_total), int(s.rows_total), float(s.busy_s)
+        return int(s.passes_total), int(s.rows_total), float(s.busy_s), int(s.blocks_total)
 
     verifier = await one(deployment.verifier.address, verifier_pb2_grpc.VerifierServiceStub,
                          verifier_pb2.GetVerifierStatsRequest(), "GetVerifierStats")
     drafters = [await one(p.address, drafter_pb2_grpc.DrafterServiceStub, drafter_pb2.GetDrafterStatsRequest(),
                           "GetDrafterStats") for p in deployment.drafters]
-    summed = tuple(sum(d[i] for d in drafters) for i in range(3))
+    summed = tuple(sum(d[i] for d in drafters) for i in range(4))
     return Counters(time.monotonic(), verifier, summed)  # type: ignore[arg-type]
 
 
@@ -340,6 +340,8 @@ async def run_cell(deployment: Deployment, rtt: float, mode: str, load: float, p
         "tau": round(sum(g.tokens for g in done) / rounds, 4) if rounds else None,
         "verifier_rows_per_pass": _ratio(load_used["verifier_rows"], load_used["verifier_passes"]),
         "verifier_pass_ms": _ratio(load_used["verifier_busy_s"] * 1e3, load_used["verifier_passes"]),
+        "verifier_blocks_per_pass": _ratio(load_used["verifier_blocks"], load_used["verifier_passes"]),
+        "verifier_rows_per_block": _ratio(load_used["verifier_rows"], load_used["verifier_blocks"]),
         "verifier_busy": round(min(1.0, load_used["verifier_busy_s"] / wall), 4),
         "drafter_busy": round(min(1.0, load_used["drafter_busy_s"] / (wall * max(1, len(deployment.drafters)))), 4),
         "draft_ms_per_block": _ratio(load_used["drafter_busy_s"] * 1e3, load_used["drafter_blocks"]),
@@ -367,7 +369,7 @@ def summarize(cells: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
         groups.setdefault((c["placement"], c["rtt_ms"], c["load"], c["mode"]), []).append(c)
     out = []
     keys = ("tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "tau", "verifier_rows_per_pass",
-            "verifier_pass_ms", "verifier_busy", "drafter_busy", "draft_ms_per_block", "critical_draft_ms",
+            "verifier_pass_ms", "verifier_blocks_per_pass", "verifier_rows_per_block", "verifier_busy", "drafter_busy", "draft_ms_per_block", "critical_draft_ms",
             "ahead_hit_rate")
     for (placement, rtt, load, mode), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         goodputs = [float(c["goodput"]) for c in group]

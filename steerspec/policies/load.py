@@ -7,8 +7,8 @@ from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
 
     T(n) = d(n) + o + W + P,   P = c(B, B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
-d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, in rows so that blocks of no
-drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
+d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, against the block's depth + 1
+— one drafter pass per level, so a tree's siblings cost no extra pass and blocks of no drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
 to the drafter and its queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
 against the blocks and rows it scores — measured by the verifier over its own passes and sent with every result
 (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each session's attention
@@ -100,6 +100,7 @@ class LoadAware(PolicyBase):
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
         self.slots: Dict[Path, int] = {}  # a tree's nodes (rank paths) -> slots, set by next_shape
+        self.depths: List[int] = []  # a tree cut of n nodes -> its depth, set by next_shape (none: a chain's n)
 
     def reset(self) -> None:
         """A new sequence: what describes the pair and the link (acceptance per slot, the drafter's cost) carries
@@ -137,9 +138,14 @@ class LoadAware(PolicyBase):
             blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
         return total
 
+    def depth(self, n: int) -> int:
+        """Drafter passes a block of n drafts takes: a chain's n, a tree cut's deepest node (`next_shape`)."""
+        return self.depths[n] if n < len(self.depths) else n
+
     def block_ms(self) -> List[float]:
         """The modelled round of a block of n = 0..max drafts."""
-        return [self.round_ms(n, d) for n, d in enumerate(self.draft.table())]
+        draft = self.draft.table()
+        return [self.round_ms(n, draft[self.depth(n)]) for n in range(self.max_k + 1)]
 
     def rates(self) -> List[float]:
         """E(n)/T(n) for n = 0..max."""
@@ -154,6 +160,9 @@ class LoadAware(PolicyBase):
         """A tree session's block: the tree's first next_k() nodes in `cut_order`, breadth-first."""
         order = cut_order(tree)
         self.slots = {path: i for i, path in enumerate(order)}
+        self.depths = [0]
+        for path in order:
+            self.depths.append(max(self.depths[-1], len(path)))
         chosen = order[:min(self.next_k(), len(order))]
         return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
@@ -165,7 +174,7 @@ class LoadAware(PolicyBase):
         if not recent:
             best = min(FIRST_K, self.max_k)
         elif len(recent) < 2 and self.max_k >= 1:
-            only = recent[0] - 1  # rows -> drafts
+            only = recent[0] - 1  # depth + 1 -> a chain's drafts
             best = best if best != only else (only + 1 if only < self.max_k else only - 1)
         self.last_k = best
         return best
@@ -190,7 +199,8 @@ class LoadAware(PolicyBase):
         self.seen += 1
         self.load_seen = self.load_seen or feedback.verify_ms > 0.0
         drafted = min(int(feedback.drafted), self.max_k)
-        self.draft.add(drafted + 1, compute)
+        depth = max((len(p) for p in feedback.shape), default=0) if feedback.shape else drafted
+        self.draft.add(min(depth, self.max_k) + 1, compute)
         self.verify.add(drafted + 1, feedback.verify_ms)
         judged, on_path = self._slots(feedback, drafted)
         for i in judged:  # every drafted slot was judged: on the accepted path or not
