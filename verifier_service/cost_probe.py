@@ -3,26 +3,28 @@ a row's (verifier_service/pass_costs.py) before the served passes vary both.
 
 Blocks of 1 and 4 sessions, 1 and 8 rows each, over a PREFIX-token cache, interleaved, median of REPEATS after a
 warm-up — through `packed_extend`, the pass the verifier's fast caches run (invariant or not, as the model is set).
-Only where sessions get the lean FastCachedLM on the CPU; elsewhere (transformers caches, GPUs) no anchors. Kept on
-the model per kernel plan and thread count, so verifiers started again on one loaded model time them once.
+Only where sessions get the lean FastCachedLM on the CPU; elsewhere (transformers caches, GPUs) no anchors. Kept for
+the process per machine, model shape, dtype, kernel plan and thread count (the kernel-path cache's key: timings
+depend on those, not on the weights' values), so verifiers started again in one process time them once.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from steerspec.models.batched import packed_extend
 from steerspec.models.invariant_pass import invariant_plan
+from steerspec.models.kernel_path import cache_key
 from steerspec.models.kv import FastCachedLM
 
 SHAPES = ((1, 1), (1, 8), (4, 1), (4, 8))  # (blocks, rows per block)
 PREFIX = 96  # cached tokens per session (a short prompt and some output)
 REPEATS = 3
-CACHE_ATTR = "_steerspec_anchor_passes"  # on the model: {(invariant plan, threads): anchors}
+TIMED: Dict[Tuple[str, object], List[Tuple[int, int, float]]] = {}  # (kernel-path key, plan) -> anchors
 
 
 @torch.inference_mode()
@@ -30,11 +32,10 @@ def anchor_passes(model) -> List[Tuple[int, int, float]]:
     """(blocks, rows, median ms) per shape of SHAPES on `model`; [] where its sessions do not run packed passes."""
     if model.device.type != "cpu" or not FastCachedLM.supports(model):
         return []
-    key = (invariant_plan(model), torch.get_num_threads())
-    cached = model.__dict__.setdefault(CACHE_ATTR, {})
-    if key not in cached:
-        cached[key] = _time_shapes(model)
-    return list(cached[key])
+    key = (cache_key(model), invariant_plan(model))
+    if key not in TIMED:
+        TIMED[key] = _time_shapes(model)
+    return list(TIMED[key])
 
 
 def _time_shapes(model) -> List[Tuple[int, int, float]]:
