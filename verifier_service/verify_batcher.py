@@ -34,12 +34,6 @@ from verifier_service.verify_jobs import JobResult, VerifyJob
 from verifier_service.verify_sessions import VerifierSession
 
 
-def branched(job: VerifyJob) -> bool:
-    """Whether the job's block is a tree that is not a path (its nodes' keys are gathered: it costs more)."""
-    shape = getattr(job.checked, "shape", None)
-    return shape is not None and hasattr(shape, "is_path") and not shape.is_path()
-
-
 class VerifyRunner:
     """The compute side: prefill and batched verify over one model (called on one thread)."""
 
@@ -111,7 +105,7 @@ class VerifyRunner:
             for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
                 results[i] = result
         rows = sum(job.block.k + 1 for job in jobs)  # the pending token and the drafts of every block
-        self.costs.add(len(jobs), rows, (time.perf_counter() - start) * 1e3, sum(branched(job) for job in jobs))
+        self.costs.add(len(jobs), rows, (time.perf_counter() - start) * 1e3)
         for result in results:
             result.pass_rows = rows
         return results

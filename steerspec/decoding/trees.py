@@ -46,10 +46,6 @@ class TreeShape:
     def depth(self) -> int:
         return max(self.depths, default=0)
 
-    def is_path(self) -> bool:
-        """Whether the tree is a chain (each node the only child of the one before): verified like a chain."""
-        return all(parent == node - 1 for node, parent in enumerate(self.parents))
-
     def spec(self) -> str:
         return ",".join("".join(str(r) for r in p) for p in self.paths)
 

@@ -59,7 +59,6 @@ class BlockFeedback:
     cost_fixed_ms: float = 0.0  # its pass cost: cost_fixed_ms + cost_per_block_ms * blocks + cost_per_row_ms * rows
     cost_per_row_ms: float = 0.0
     cost_per_block_ms: float = 0.0
-    cost_per_tree_ms: float = 0.0  # and + cost_per_tree_ms for each branched tree block in it
 
 
 @runtime_checkable

@@ -9,12 +9,10 @@ from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
 
 d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, against the block's depth + 1
 — one drafter pass per level, so a tree's siblings cost no extra pass and blocks of no drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
-to the drafter and its queue, overhead), c(B, R) = fixed + (per_block [+ per_tree for a branched
-tree]) · B + per_row · R the verifier's pass cost against the blocks and rows it scores — measured by the verifier
-over its own passes and sent with every result (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms /
-cost_per_tree_ms; a block's own term is each session's attention over its own cache, which on the batch-invariant
-path outweighs its rows, and a tree that branches gathers its nodes' keys: verifier_service/pass_costs.py) — and N
-the sessions
+to the drafter and its queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
+against the blocks and rows it scores — measured by the verifier over its own passes and sent with every result
+(VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each session's attention
+over its own cache, which on the batch-invariant path outweighs its rows: verifier_service/pass_costs.py) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -97,7 +95,7 @@ class LoadAware(PolicyBase):
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
-        self.pass_line = (0.0, 0.0, 0.0, 0.0)  # the verifier's reported cost: fixed, per block, per row, per tree ms
+        self.pass_line = (0.0, 0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per block, ms per row (0s: none)
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
@@ -109,7 +107,7 @@ class LoadAware(PolicyBase):
         over; the load signals are taken afresh from the sequence's first result, since the load may have moved
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
-        self.pass_line = (0.0, 0.0, 0.0, 0.0)  # a verifier reports it again with the first result; none in process
+        self.pass_line = (0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
 
     # --- model ---
     def expected_tokens(self, n: int) -> float:
@@ -126,12 +124,11 @@ class LoadAware(PolicyBase):
             return 1.0
         return 1.0 + max(self.blocks - 1.0, 0.0) * max(self.cycle_ms, self.pass_obs_ms) / self.pass_obs_ms
 
-    def round_ms(self, n: int, draft_ms: float, branched: bool = False) -> float:
-        """T(n): the closed loop's fixed point with every session sending blocks of n drafts (branched trees or not)."""
+    def round_ms(self, n: int, draft_ms: float) -> float:
+        """T(n): the closed loop's fixed point with every session sending blocks of n drafts."""
         if not self.reported:
             return draft_ms + self.overhead_ms + self.verify.table()[n]
-        fixed, per_block, per_row, per_tree = self.pass_line
-        per_block += per_tree if branched else 0.0
+        fixed, per_block, per_row = self.pass_line
         sessions, blocks = self.sessions, max(self.blocks, 1.0)
         total = draft_ms + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
@@ -148,17 +145,16 @@ class LoadAware(PolicyBase):
     def block_ms(self) -> List[float]:
         """The modelled round of a block of n = 0..max drafts."""
         draft = self.draft.table()
-        return [self.round_ms(n, draft[self.depth(n)], self.depth(n) < n) for n in range(self.max_k + 1)]
+        return [self.round_ms(n, draft[self.depth(n)]) for n in range(self.max_k + 1)]
 
     def rates(self) -> List[float]:
         """E(n)/T(n) for n = 0..max."""
         return [self.expected_tokens(n) / max(ms, 1e-6) for n, ms in enumerate(self.block_ms())]
 
     def best(self) -> int:
-        """argmax_n E(n)/T(n) over 0..max, or over the tree's sizes (the smaller n on a tie)."""
+        """argmax_n E(n)/T(n) over 0..max (the smaller n on a tie)."""
         rates = self.rates()
-        top = len(self.depths) if self.depths else len(rates)  # a tree session: at most its tree's nodes
-        return max(range(min(top, len(rates))), key=lambda n: (rates[n], -n))
+        return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
     def next_shape(self, tree: Sequence[Sequence[int]]) -> Tuple[Path, ...]:
         """A tree session's block: the tree's first next_k() nodes in `cut_order`, breadth-first."""
@@ -188,8 +184,7 @@ class LoadAware(PolicyBase):
         first = not self.load_seen
         if feedback.batch_size:
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
-        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms),
-                float(feedback.cost_per_tree_ms))
+        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms))
         if any(value > 0.0 for value in line):
             self.pass_line = line
         if feedback.verify_ms > 0.0:
@@ -238,8 +233,8 @@ class LoadAware(PolicyBase):
         line = [float(v) for v in state["pass_line"]]
         if len(line) == 2:  # a state saved before the verifier reported a block's own cost
             line = [line[0], 0.0, line[1]]
-        fixed, per_block, per_row, per_tree = (line + [0.0])[:4]  # no tree term before the verifier reported one
-        self.include, self.judged, self.pass_line = include, judged, (fixed, per_block, per_row, per_tree)
+        fixed, per_block, per_row = line
+        self.include, self.judged, self.pass_line = include, judged, (fixed, per_block, per_row)
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         self.seen = int(state["seen"])

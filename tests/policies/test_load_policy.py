@@ -195,21 +195,5 @@ def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
     settled(by_rows, 60, batch=8, queue_ms=60.0, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=2.25))
     settled(by_blocks, 60, batch=8, queue_ms=60.0,
             cost=dict(cost_fixed_ms=45.0, cost_per_block_ms=6.0, cost_per_row_ms=1.25))
-    assert by_rows.pass_line == (45.0, 0.0, 2.25, 0.0) and by_blocks.pass_line == (45.0, 6.0, 1.25, 0.0)
+    assert by_rows.pass_line == (45.0, 0.0, 2.25) and by_blocks.pass_line == (45.0, 6.0, 1.25)
     assert by_rows.next_k() == 1 and by_blocks.next_k() == 4
-
-
-def test_a_branched_trees_own_cost_keeps_a_crowded_verifiers_blocks_chains():
-    """Tree cuts that branch are priced with the verifier's per-tree term (their nodes' keys gathered): where it is
-    dear, a crowded verifier's sessions send the chain cut "0,00"; where it is not, the side branch still pays."""
-    tree = [(0,), (1,), (2,), (0, 0), (1, 0)]
-    shapes = []
-    for per_tree in (0.0, 20.0):
-        policy = LoadAware(max=5)
-        policy.next_shape(tree)
-        settled(policy, 60, accepted=1, drafted=3, path=(0, 1), batch=4, queue_ms=30.0, verify_ms=80.0,
-                cost=dict(cost_fixed_ms=35.0, cost_per_block_ms=5.0, cost_per_row_ms=1.0, cost_per_tree_ms=per_tree))
-        policy.include = [0.6, 0.4, 0.25, 0.1, 0.05]
-        shapes.append(policy.next_shape(tree))
-    cheap, dear = shapes
-    assert len(cheap) > 2 and dear == ((0,), (0, 0))

@@ -22,20 +22,19 @@ pytestmark = [pytest.mark.timeout(120)]
 
 def test_pass_costs_fit_blocks_and_rows():
     costs = PassCosts(beta=0.05)
-    assert costs.line() == (0.0, 0.0, 0.0, 0.0)
+    assert costs.line() == (0.0, 0.0, 0.0)
     rng = random.Random(0)
     for _ in range(400):
         blocks = rng.randint(1, 8)
         rows = blocks * rng.randint(1, 6)
-        trees = rng.randint(0, blocks)
-        costs.add(blocks, rows, 41.6 + 6.0 * blocks + 1.25 * rows + 3.0 * trees + rng.uniform(-1.0, 1.0), trees)
-    fixed, per_block, per_row, per_tree = costs.line()
+        costs.add(blocks, rows, 41.6 + 6.0 * blocks + 1.25 * rows + rng.uniform(-1.0, 1.0))
+    fixed, per_block, per_row = costs.line()
     assert fixed == pytest.approx(41.6, abs=1.5) and per_block == pytest.approx(6.0, abs=0.4)
-    assert per_row == pytest.approx(1.25, abs=0.1) and per_tree == pytest.approx(3.0, abs=0.3)
+    assert per_row == pytest.approx(1.25, abs=0.1)
     flat = PassCosts()
     for _ in range(10):
         flat.add(1, 6, 30.0)  # one shape only: no slope, the whole cost fixed
-    assert flat.line() == pytest.approx((30.0, 0.0, 0.0, 0.0), abs=1e-3)
+    assert flat.line() == pytest.approx((30.0, 0.0, 0.0), abs=1e-3)
 
 
 def test_anchor_passes_split_what_same_sized_blocks_cannot():
@@ -44,12 +43,12 @@ def test_anchor_passes_split_what_same_sized_blocks_cannot():
     def cost(blocks: int, rows: int) -> float:
         return 40.0 + 6.0 * blocks + 1.0 * rows
 
-    anchors = [(b, b * r, cost(b, b * r), 0) for b, r in ((1, 1), (1, 8), (4, 1), (4, 8))]
+    anchors = [(b, b * r, cost(b, b * r)) for b, r in ((1, 1), (1, 8), (4, 1), (4, 8))]
     costs = PassCosts(beta=0.05, anchors=anchors)
     for i in range(200):
         blocks = 1 + i % 8
         costs.add(blocks, 5 * blocks, cost(blocks, 5 * blocks) + 8.0)  # the served contexts are longer: dearer
-    fixed, per_block, per_row, _ = costs.line()
+    fixed, per_block, per_row = costs.line()
     assert fixed + 8 * per_block + 40 * per_row == pytest.approx(cost(8, 40) + 8.0, rel=0.03)  # what was served
     assert per_block == pytest.approx(6.0, abs=1.0) and per_row == pytest.approx(1.0, abs=0.3)  # the anchors' split
     blind = PassCosts(beta=0.05)
@@ -65,8 +64,8 @@ def test_the_verifier_times_its_anchor_passes_on_itself(tmp_path):
     torch.set_num_threads(1)
     model = load_model(str(make_tiny_llama(tmp_path / "verifier", seed=0)))
     anchors = anchor_passes(model)
-    assert [(b, r, t) for b, r, _, t in anchors] == [(b, b * r, b if tree else 0) for b, r, tree in SHAPES]
-    assert all(ms > 0 for _, _, ms, _ in anchors) and any(t for _, _, _, t in anchors)
+    assert [(b, r) for b, r, _ in anchors] == [(b, b * r) for b, r in SHAPES]
+    assert all(ms > 0 for _, _, ms in anchors)
     assert anchor_passes(model) == anchors  # timed once per model, plan and thread count
     again = load_model(str(make_tiny_llama(tmp_path / "again" / "verifier", seed=1)))
     assert anchor_passes(again) == anchors  # another load of the same shape: timed once per process
@@ -104,5 +103,4 @@ async def test_every_result_carries_the_passes_rows_and_cost_line(tmp_path):
     assert any(r.batch_size > 1 and r.pass_rows > max(7, r.batch_size) for r in results)  # shared passes counted
     last = results[-1]
     assert last.cost_fixed_ms > 0 and last.cost_per_row_ms >= 0 and last.cost_per_block_ms >= 0
-    assert last.cost_per_tree_ms >= 0
     assert all(r.blocks_waiting >= 0 for r in results)
