@@ -369,8 +369,8 @@ def summarize(cells: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
         groups.setdefault((c["placement"], c["rtt_ms"], c["load"], c["mode"]), []).append(c)
     out = []
     keys = ("tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "tau", "verifier_rows_per_pass",
-            "verifier_pass_ms", "verifier_blocks_per_pass", "verifier_rows_per_block", "verifier_busy", "drafter_busy", "draft_ms_per_block", "critical_draft_ms",
-            "ahead_hit_rate")
+            "verifier_pass_ms", "verifier_blocks_per_pass", "verifier_rows_per_block", "verifier_busy", "drafter_busy",
+            "draft_ms_per_block", "critical_draft_ms", "ahead_hit_rate")
     for (placement, rtt, load, mode), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         goodputs = [float(c["goodput"]) for c in group]
         row = {"placement": placement, "rtt_ms": rtt, "load": load, "mode": mode, "repeats": len(group),

@@ -7,8 +7,8 @@ batch scored in one packed pass (each row with its own positions and ancestor ma
 (greedy; recursive rejection sampling over siblings drawn without replacement; traversal verification for block-
 verified sessions); the caches keep the accepted path. Near the budget a tree is cut to a breadth-first prefix.
 
-A policy with `next_shape` (the load-aware one) may draft another shape than a prefix of the session's tree (a chain,
-a tree grown from acceptance, of at most the tree's nodes): the block then carries it as DraftBlock.parents, and
+A policy with `next_shape` (the load-aware one) may draft another shape than a breadth-first prefix of the session's
+tree (its chain-first cuts, of at most the tree's nodes): the block then carries it as DraftBlock.parents, and
 the coordinator, the verifier and the drafter's feedback all read the block's shape from there (`block_shape`).
 """
 

@@ -254,8 +254,8 @@ def _accept(shape: TreeShape, tokens: Sequence[int], logits: Tensor, config: Dec
 
 
 def policy_tree(policy: DraftLengthPolicy, tree: TreeShape) -> TreeShape:
-    """The tree a block drafts under `policy`: the shape it picks (`next_shape`: a chain, a prefix of `tree` or a
-    grown tree, at most `tree`'s nodes) or `tree`'s first next_k() nodes, breadth-first."""
+    """The tree a block drafts under `policy`: the shape it picks (`next_shape`: the load-aware policy's chain-first
+    cut of `tree`, at most `tree`'s nodes) or `tree`'s first next_k() nodes, breadth-first."""
     pick = getattr(policy, "next_shape", None)
     chosen = from_paths(pick(tree.paths)) if pick is not None else tree
     n = chosen.size if pick is not None else int(policy.next_k())

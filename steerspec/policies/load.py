@@ -8,8 +8,9 @@ from the prior a0^(i+1), an EWMA with weight beta once settled). Its round takes
     T(n) = d(n) + o + W + P,   P = c(B, B · (n + 1)),   B = 1 + (N − 1) · P / T,   W = ρ · P / 2
 
 d(n) the drafter's compute line (`CostLine` over the drafter's own compute per block, against the block's depth + 1
-— one drafter pass per level, so a tree's siblings cost no extra pass and blocks of no drafts measure it too), o the EWMA of the rest of the round that does not grow with the block (network, the hops
-to the drafter and its queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
+— one drafter pass per level, so a tree's siblings cost no extra pass and blocks of no drafts measure it too), o
+the EWMA of the rest of the round that does not grow with the block (network, the hops to the drafter and its
+queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
 against the blocks and rows it scores — measured by the verifier over its own passes and sent with every result
 (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each session's attention
 over its own cache, which on the batch-invariant path outweighs its rows: verifier_service/pass_costs.py) — and N the sessions
@@ -199,7 +200,7 @@ class LoadAware(PolicyBase):
         self.seen += 1
         self.load_seen = self.load_seen or feedback.verify_ms > 0.0
         drafted = min(int(feedback.drafted), self.max_k)
-        depth = max((len(p) for p in feedback.shape), default=0) if feedback.shape else drafted
+        depth = max((len(p) for p in feedback.shape), default=drafted)  # a chain's block (no shape): its drafts
         self.draft.add(min(depth, self.max_k) + 1, compute)
         self.verify.add(drafted + 1, feedback.verify_ms)
         judged, on_path = self._slots(feedback, drafted)
