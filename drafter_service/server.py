@@ -310,7 +310,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                pass_rows=int(result.pass_rows), blocks_waiting=int(result.blocks_waiting),
                                cost_fixed_ms=float(result.cost_fixed_ms),
                                cost_per_row_ms=float(result.cost_per_row_ms),
-                               cost_per_block_ms=float(result.cost_per_block_ms))
+                               cost_per_block_ms=float(result.cost_per_block_ms),
+                               cost_row_bucket=int(result.cost_row_bucket),
+                               cost_block_rows=float(result.cost_block_rows))
         report = await self.ahead.take(session, int(result.accepted), int(result.next_token), list(result.path))
         self.drafter.apply_feedback(session, int(result.accepted), int(result.next_token), steering, timing,
                                     path=list(result.path))

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from steerspec.models.kv import FastCachedLM
 from steerspec.models.loading import cache_kwarg
+from steerspec.models.pass_shape import pass_shape
 from steerspec.serving.batching import WindowBatcher
 from verifier_service import fast_verify
 from verifier_service.cost_probe import anchor_passes
@@ -43,8 +44,8 @@ class VerifyRunner:
         self.device = model.device
         self.config = model.config
         self._cache_arg = cache_kwarg(model)  # the name transformers' forward takes the KV cache by
-        # pass time against blocks and rows, reported with every result (load-aware block sizes)
-        self.costs = PassCosts(anchors=anchor_passes(model))
+        # pass time against blocks and rows in the kernel path's units, reported with every result (load-aware sizes)
+        self.costs = PassCosts(anchors=anchor_passes(model), shape=pass_shape(model))
 
     # ------------------------------------------------------------------ helpers
     def steering(self, hidden_states: Sequence[Tensor], rows: Tensor, positions: Tensor) -> Tensor:
@@ -104,8 +105,9 @@ class VerifyRunner:
             kind = jobs[indices[0]].session.kind
             for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
                 results[i] = result
-        rows = sum(job.block.k + 1 for job in jobs)  # the pending token and the drafts of every block
-        self.costs.add(len(jobs), rows, (time.perf_counter() - start) * 1e3)
+        block_rows = [job.block.k + 1 for job in jobs]  # the pending token and the drafts of every block
+        self.costs.add(block_rows, (time.perf_counter() - start) * 1e3)
+        rows = sum(block_rows)
         for result in results:
             result.pass_rows = rows
         return results

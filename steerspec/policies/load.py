@@ -13,7 +13,11 @@ the EWMA of the rest of the round that does not grow with the block (network, th
 queue, overhead), c(B, R) = fixed + per_block · B + per_row · R the verifier's pass cost
 against the blocks and rows it scores — measured by the verifier over its own passes and sent with every result
 (VerifyResult.cost_fixed_ms / cost_per_block_ms / cost_per_row_ms; a block's own term is each session's attention
-over its own cache, which on the batch-invariant path outweighs its rows: verifier_service/pass_costs.py) — and N the sessions
+over its own cache, which on the batch-invariant path outweighs its rows: verifier_service/pass_costs.py), in the units
+of the verifier's kernel path (cost_row_bucket / cost_block_rows, `steerspec.models.pass_shape`): on the batch-invariant
+path B counts attention products (one per 5 rows of a block on SmolLM2) and R the rows padded to the bucket of 16,
+averaged over how many blocks a pass holds, so a size that tips the pass into another product pays for all of it
+(at 8 sessions on the Intel Xeon VM, about 4 blocks per pass: 3-row blocks fit one product, 5-row ones need two) — and N the sessions
 sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
 of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
@@ -39,8 +43,12 @@ then costs every session more than the draft earns).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from steerspec.models.pass_shape import PassShape
 from steerspec.policies.base import BlockFeedback, PolicyBase, check_k, check_open_unit
 from steerspec.policies.catalog import Key, register
 from steerspec.policies.costline import CostLine
@@ -97,11 +105,13 @@ class LoadAware(PolicyBase):
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
         self.pass_line = (0.0, 0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per block, ms per row (0s: none)
+        self.pass_shape = PassShape()  # the units of that cost (the verifier's kernel path)
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
         self.slots: Dict[Path, int] = {}  # a tree's nodes (rank paths) -> slots, set by next_shape
         self.depths: List[int] = []  # a tree cut of n nodes -> its depth, set by next_shape (none: a chain's n)
+        self.limit = self.max_k  # the largest block: max, or a tree session's node count (set by next_shape)
 
     def reset(self) -> None:
         """A new sequence: what describes the pair and the link (acceptance per slot, the drafter's cost) carries
@@ -109,6 +119,7 @@ class LoadAware(PolicyBase):
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
         self.pass_line = (0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
+        self.pass_shape = PassShape()
 
     # --- model ---
     def expected_tokens(self, n: int) -> float:
@@ -125,18 +136,28 @@ class LoadAware(PolicyBase):
             return 1.0
         return 1.0 + max(self.blocks - 1.0, 0.0) * max(self.cycle_ms, self.pass_obs_ms) / self.pass_obs_ms
 
-    def round_ms(self, n: int, draft_ms: float) -> float:
-        """T(n): the closed loop's fixed point with every session sending blocks of n drafts."""
+    def round_ms(self, sizes: Sequence[int], draft_ms: Sequence[float]) -> np.ndarray:
+        """T(n) for each n of `sizes` (draft_ms its drafting): the closed loop's fixed point with every session sending
+        blocks of n drafts. The pass is priced in the verifier's units (`PassShape`): its rows padded to the row
+        bucket are averaged over how many blocks a pass holds — the session's own and each other session's with
+        chance (B − 1)/(N − 1) — since on a bucketed path that, not the mean, decides how many products it runs."""
+        sizes_a, drafting = np.asarray(sizes, dtype=float), np.asarray(draft_ms, dtype=float)
         if not self.reported:
-            return draft_ms + self.overhead_ms + self.verify.table()[n]
+            table = self.verify.table()
+            return drafting + self.overhead_ms + np.array([table[int(n)] for n in sizes])
         fixed, per_block, per_row = self.pass_line
-        sessions, blocks = self.sessions, max(self.blocks, 1.0)
-        total = draft_ms + self.overhead_ms + fixed
+        shape, sessions = self.pass_shape, self.sessions
+        others = max(int(math.ceil(sessions - 1.0 - 1e-9)), 0)
+        rows = sizes_a + 1.0
+        units = np.array([shape.block_units(r) for r in rows])
+        padded = np.array([[shape.padded_rows((1 + j) * r) for j in range(others + 1)] for r in rows])  # [S, others+1]
+        blocks = np.full(len(rows), max(self.blocks, 1.0))
+        total = drafting + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
-            pass_ms = fixed + blocks * (per_block + per_row * (n + 1))
-            busy = min(1.0, (sessions - 1.0) * pass_ms / max(total * blocks, 1e-6))  # the others' share
-            total = draft_ms + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
-            blocks = min(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
+            pass_ms = fixed + blocks * per_block * units + per_row * _mean_over_passes(padded, blocks, others)
+            busy = np.minimum(1.0, (sessions - 1.0) * pass_ms / np.maximum(total * blocks, 1e-6))  # the others' share
+            total = drafting + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
+            blocks = np.minimum(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
         return total
 
     def depth(self, n: int) -> int:
@@ -146,15 +167,16 @@ class LoadAware(PolicyBase):
     def block_ms(self) -> List[float]:
         """The modelled round of a block of n = 0..max drafts."""
         draft = self.draft.table()
-        return [self.round_ms(n, draft[self.depth(n)]) for n in range(self.max_k + 1)]
+        sizes = list(range(self.max_k + 1))
+        return [float(ms) for ms in self.round_ms(sizes, [draft[self.depth(n)] for n in sizes])]
 
     def rates(self) -> List[float]:
         """E(n)/T(n) for n = 0..max."""
         return [self.expected_tokens(n) / max(ms, 1e-6) for n, ms in enumerate(self.block_ms())]
 
     def best(self) -> int:
-        """argmax_n E(n)/T(n) over 0..max (the smaller n on a tie)."""
-        rates = self.rates()
+        """argmax_n E(n)/T(n) over 0..max, or 0..the tree's nodes (the smaller n on a tie)."""
+        rates = self.rates()[:self.limit + 1]
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
     def next_shape(self, tree: Sequence[Sequence[int]]) -> Tuple[Path, ...]:
@@ -164,6 +186,7 @@ class LoadAware(PolicyBase):
         self.depths = [0]
         for path in order:
             self.depths.append(max(self.depths[-1], len(path)))
+        self.limit = min(self.max_k, len(order))
         chosen = order[:min(self.next_k(), len(order))]
         return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
@@ -173,10 +196,10 @@ class LoadAware(PolicyBase):
         best = self.best()
         recent = self.draft.recent_lengths(STALE)
         if not recent:
-            best = min(FIRST_K, self.max_k)
-        elif len(recent) < 2 and self.max_k >= 1:
+            best = min(FIRST_K, self.limit)
+        elif len(recent) < 2 and self.limit >= 1:
             only = recent[0] - 1  # depth + 1 -> a chain's drafts
-            best = best if best != only else (only + 1 if only < self.max_k else only - 1)
+            best = best if best != only else (only + 1 if only < self.limit else only - 1)
         self.last_k = best
         return best
 
@@ -188,6 +211,7 @@ class LoadAware(PolicyBase):
         line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms))
         if any(value > 0.0 for value in line):
             self.pass_line = line
+            self.pass_shape = PassShape(max(int(feedback.cost_row_bucket), 1), max(float(feedback.cost_block_rows), 0.0))
         if feedback.verify_ms > 0.0:
             cycle = feedback.draft_ms + feedback.network_ms + feedback.overhead_ms + feedback.queue_ms + \
                 feedback.verify_ms
@@ -222,7 +246,7 @@ class LoadAware(PolicyBase):
         return {"include": list(self.include), "judged": list(self.judged), "draft": self.draft.state_dict(),
                 "verify": self.verify.state_dict(), "overhead_ms": self.overhead_ms, "blocks": self.blocks,
                 "cycle_ms": self.cycle_ms, "pass_obs_ms": self.pass_obs_ms, "pass_line": list(self.pass_line),
-                "seen": self.seen}
+                "pass_shape": list(self.pass_shape), "seen": self.seen}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         include = [float(p) for p in state["include"]]
@@ -238,7 +262,22 @@ class LoadAware(PolicyBase):
         self.include, self.judged, self.pass_line = include, judged, (fixed, per_block, per_row)
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
+        bucket, block_rows = state.get("pass_shape", (1, 0.0))  # a state saved before the verifier named its units
+        self.pass_shape = PassShape(int(bucket), float(block_rows))
         self.seen = int(state["seen"])
 
     def __repr__(self) -> str:
         return f"LoadAware(max={self.max_k})"
+
+
+def _mean_over_passes(padded: np.ndarray, blocks: np.ndarray, others: int) -> np.ndarray:
+    """Per size s, Σ_j P(j) · padded[s, j]: a pass holds the session's own block and j of the `others` sessions' ones,
+    j binomial with mean blocks[s] − 1 (each other session's block in it with the same chance)."""
+    if others == 0:
+        return padded[:, 0]
+    chance = np.clip((blocks - 1.0) / others, 1e-12, 1.0 - 1e-12)[:, None]
+    j = np.arange(others + 1, dtype=float)[None, :]
+    log_comb = np.array([math.lgamma(others + 1) - math.lgamma(k + 1) - math.lgamma(others - k + 1)
+                         for k in range(others + 1)])[None, :]
+    weights = np.exp(log_comb + j * np.log(chance) + (others - j) * np.log1p(-chance))
+    return (weights * padded).sum(axis=1)

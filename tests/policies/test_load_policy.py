@@ -3,6 +3,7 @@ exact at any size (greedy output is the verifier's, sampling its distribution), 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -197,3 +198,31 @@ def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
             cost=dict(cost_fixed_ms=45.0, cost_per_block_ms=6.0, cost_per_row_ms=1.25))
     assert by_rows.pass_line == (45.0, 0.0, 2.25) and by_blocks.pass_line == (45.0, 6.0, 1.25)
     assert by_rows.next_k() == 1 and by_blocks.next_k() == 4
+
+
+def test_on_a_bucketed_verifier_a_block_fills_the_products_it_pays_for():
+    """A batch-invariant verifier computes a pass's rows in products of 16 and reports its cost in those units
+    (cost_row_bucket, cost_block_rows): with about 6 blocks a pass, 4-row blocks (24 rows) ride in the same two
+    products as 3-row ones (18), so the policy drafts 3 where, priced by plain rows, it would draft 2; alone on it, a
+    block stops at the 5 rows one attention product holds (a sixth costs a second)."""
+    def run(shape, batch: int, queue_ms: float) -> LoadAware:
+        policy, rng = LoadAware(max=6), random.Random(0)
+        for _ in range(150):
+            n = policy.next_k()
+            accepted = 0
+            while accepted < n and rng.random() < 0.7:
+                accepted += 1
+            policy.update(BlockFeedback(accepted, n, draft_ms=1.0 + 2.5 * n, verify_ms=100.0, queue_ms=queue_ms,
+                                        network_ms=50.0, overhead_ms=3.0, batch_size=batch, cost_fixed_ms=30.0,
+                                        cost_per_block_ms=6.0, cost_per_row_ms=2.0, cost_row_bucket=shape[0],
+                                        cost_block_rows=shape[1]))
+        return policy
+
+    bucketed, plain = run((16, 16 / 3), 6, 80.0), run((0, 0.0), 6, 80.0)
+    assert bucketed.pass_shape == (16, 16 / 3) and plain.pass_shape == (1, 0.0)
+    assert bucketed.next_k() == 3 and plain.next_k() == 2
+    alone = run((16, 16 / 3), 1, 0.0)
+    assert alone.next_k() == 4 and alone.rates()[5] < alone.rates()[4]
+    copy = LoadAware(max=6)
+    copy.load_state_dict(bucketed.state_dict())  # the units carry through failover with the line
+    assert copy.pass_shape == bucketed.pass_shape and copy.next_k() == 3
