@@ -311,6 +311,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServiceServ
                                cost_fixed_ms=float(result.cost_fixed_ms),
                                cost_per_row_ms=float(result.cost_per_row_ms),
                                cost_per_block_ms=float(result.cost_per_block_ms),
+                               cost_per_branched_row_ms=float(result.cost_per_branched_row_ms),
                                cost_row_bucket=int(result.cost_row_bucket),
                                cost_block_rows=float(result.cost_block_rows))
         report = await self.ahead.take(session, int(result.accepted), int(result.next_token), list(result.path))

@@ -1,8 +1,9 @@
 """The verifier's anchor passes: a few passes timed on itself at start, so its cost fit can tell a block's cost from
 a row's (verifier_service/pass_costs.py) before the served passes vary both.
 
-Blocks of 1 and 4 sessions, 1 and 8 rows each, over a PREFIX-token cache, interleaved, median of REPEATS after a
-warm-up — through `packed_extend`, the pass the verifier's fast caches run (invariant or not, as the model is set).
+Blocks of 1 and 4 sessions, 1 and 8 rows each, and 4 branching trees of 8 rows (TREE_PARENTS), over a PREFIX-token
+cache, interleaved, median of REPEATS after a warm-up — through `packed_extend`, the pass the verifier's fast caches
+run (invariant or not, as the model is set).
 Only where sessions get the lean FastCachedLM on the CPU; elsewhere (transformers caches, GPUs) no anchors. Kept for
 the process per machine, model shape, dtype, kernel plan and thread count (the kernel-path cache's key: timings
 depend on those, not on the weights' values), so verifiers started again in one process time them once.
@@ -15,21 +16,25 @@ import time
 from typing import Dict, List, Tuple
 
 import torch
+from torch import Tensor
 
 from steerspec.models.batched import packed_extend
 from steerspec.models.invariant_pass import invariant_plan
 from steerspec.models.kernel_path import cache_key
 from steerspec.models.kv import FastCachedLM
+from verifier_service.pass_costs import Anchor
 
-SHAPES = ((1, 1), (1, 8), (4, 1), (4, 8))  # (blocks, rows per block)
+SHAPES = ((1, 1, False), (1, 8, False), (4, 1, False), (4, 8, False), (4, 8, True))  # (blocks, rows per block, tree)
+TREE_PARENTS = (0, 0, 1, 1, 2, 2, 3)  # a branching tree's rows 1..7: each one's parent row (row 0: the pending token)
 PREFIX = 96  # cached tokens per session (a short prompt and some output)
 REPEATS = 3
-TIMED: Dict[Tuple[str, object], List[Tuple[int, int, float]]] = {}  # (kernel-path key, plan) -> anchors
+TIMED: Dict[Tuple[str, object], List[Anchor]] = {}  # (kernel-path key, plan) -> anchors
 
 
 @torch.inference_mode()
-def anchor_passes(model) -> List[Tuple[int, int, float]]:
-    """(blocks, rows, median ms) per shape of SHAPES on `model`; [] where its sessions do not run packed passes."""
+def anchor_passes(model) -> List[Anchor]:
+    """An `Anchor` (blocks, rows, median ms, branched) per shape of SHAPES on `model`; [] where its sessions do not run
+    packed passes."""
     if model.device.type != "cpu" or not FastCachedLM.supports(model):
         return []
     key = (cache_key(model), invariant_plan(model))
@@ -38,23 +43,37 @@ def anchor_passes(model) -> List[Tuple[int, int, float]]:
     return list(TIMED[key])
 
 
-def _time_shapes(model) -> List[Tuple[int, int, float]]:
+def _tree(rows: int) -> Tuple[Tensor, Tensor]:
+    """(positions, visible) of the branching tree TREE_PARENTS cut to `rows` rows after a PREFIX-token cache."""
+    depths, ancestors = [0], [[0]]
+    for row, parent in enumerate(TREE_PARENTS[:rows - 1], 1):
+        depths.append(depths[parent] + 1)
+        ancestors.append(ancestors[parent] + [row])
+    visible = torch.zeros(rows, PREFIX + rows, dtype=torch.bool)
+    visible[:, :PREFIX] = True
+    for row, seen in enumerate(ancestors):
+        visible[row, [PREFIX + a for a in seen]] = True
+    return torch.tensor([PREFIX + d for d in depths]), visible
+
+
+def _time_shapes(model) -> List[Anchor]:
     """Time SHAPES on `model` (module docstring)."""
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
-    most = max(b for b, _ in SHAPES)
+    most = max(b for b, _, _ in SHAPES)
     lms = [FastCachedLM(model) for _ in range(most)]
     for lm in lms:
         lm.extend(torch.randint(0, vocab, (PREFIX,), generator=gen))
     times = {shape: [] for shape in SHAPES}
     for repeat in range(REPEATS + 1):
-        for blocks, rows in SHAPES:
+        for blocks, rows, branched in SHAPES:
             feeds = [torch.randint(0, vocab, (rows,), generator=gen) for _ in range(blocks)]
+            trees = [_tree(rows)] * blocks if branched else None
             start = time.perf_counter()
-            packed_extend(lms[:blocks], feeds)
+            packed_extend(lms[:blocks], feeds, trees=trees)
             ms = (time.perf_counter() - start) * 1e3
             for lm in lms[:blocks]:
                 lm.rollback(PREFIX)
             if repeat:  # the first round warms the kernels and the weight copies up
-                times[(blocks, rows)].append(ms)
-    return [(b, b * r, statistics.median(times[(b, r)])) for b, r in SHAPES]
+                times[(blocks, rows, branched)].append(ms)
+    return [Anchor(b, b * r, statistics.median(times[(b, r, t)]), t) for b, r, t in SHAPES]

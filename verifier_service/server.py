@@ -229,7 +229,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServiceS
                                       queue_ms=result.queue_ms, verify_ms=result.verify_ms,
                                       batch_size=result.batch_size, pass_rows=result.pass_rows,
                                       blocks_waiting=self.batcher.queue_depth)
-        out.cost_fixed_ms, out.cost_per_block_ms, out.cost_per_row_ms = self.runner.costs.line()
+        (out.cost_fixed_ms, out.cost_per_block_ms, out.cost_per_row_ms,
+         out.cost_per_branched_row_ms) = self.runner.costs.line()
         out.cost_row_bucket, out.cost_block_rows = self.runner.costs.shape
         if result.steering is not None:
             out.steering.CopyFrom(wire.tensor_to_proto(result.steering))

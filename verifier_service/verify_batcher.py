@@ -106,7 +106,8 @@ class VerifyRunner:
             for i, result in zip(indices, kind.verify(self, [jobs[i] for i in indices])):
                 results[i] = result
         block_rows = [job.block.k + 1 for job in jobs]  # the pending token and the drafts of every block
-        self.costs.add(block_rows, (time.perf_counter() - start) * 1e3)
+        branched = [job.session.kind.branched(job) for job in jobs]
+        self.costs.add(block_rows, (time.perf_counter() - start) * 1e3, branched)
         rows = sum(block_rows)
         for result in results:
             result.pass_rows = rows

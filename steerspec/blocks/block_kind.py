@@ -164,6 +164,11 @@ class BlockKind:
     def encode_result(self, result: JobResult, out: common_pb2.VerifyResult) -> None:
         """Fields of the kind's own on a verdict's message."""
 
+    def branched(self, job) -> bool:
+        """True when the job's rows are a tree that branches: its attention gathers keys per query, which the
+        verifier's cost fit prices apart (verifier_service/pass_costs.py). A chain never does."""
+        return False
+
     # -- in process --------------------------------------------------------------------------------------
     def generate(self, verifier, drafter, prompt_ids: Sequence[int], config, mode: "BlockMode", *, policy=None,
                  steering=None, tokenizer=None, on_round: Optional[Callable] = None, head=None):

@@ -212,6 +212,10 @@ class TreeKind(BlockKind):
         refuse_kept(block)
         return block, checked
 
+    def branched(self, job) -> bool:
+        shape = job.checked.shape  # a TreeBlock (`admit`): a path is verified on the chain's layout
+        return shape.depth < shape.size
+
     @torch.inference_mode()
     def verify(self, runner, jobs: Sequence) -> List[JobResult]:
         """Every tree of the batch scored in ONE packed pass, then each session's own walk."""

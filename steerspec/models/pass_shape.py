@@ -7,7 +7,9 @@ QUERY_ROWS rows. Its cost is a staircase: on SmolLM2 (bucket 16, 3 query heads p
 (16 rows) cost 89 ms and 4 blocks of 5 (20 rows) 121 ms, one block of 6 rows costs a second attention product
 (Intel Xeon, bfloat16, one thread). `PassShape` names the two steps, so the verifier fits its cost in those units
 (verifier_service/pass_costs.py) and a coordinator prices a block it might send in the same ones
-(steerspec/policies/load.py): row_bucket 1 and block_rows 0 are the ordinary path's plain counts.
+(steerspec/policies/load.py): row_bucket 1 and block_rows 0 are the ordinary path's plain counts. A third unit is
+the rows of blocks that are branching trees: their queries gather their own keys (a path reads them in place), 4
+blocks of the tree {0, 00, 1} costing 116 ms where 4 chains of as many rows cost 93.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ class PassShape(NamedTuple):
         bucket = max(int(self.row_bucket), 1)
         return float(bucket * math.ceil(rows / bucket - EPS)) if bucket > 1 else float(rows)
 
-    def units(self, block_rows: Sequence[int]) -> Tuple[float, float]:
-        """(attention units, padded rows) of a pass of blocks with these rows: what its cost is linear in."""
-        return sum(self.block_units(r) for r in block_rows), self.padded_rows(sum(block_rows))
+    def units(self, block_rows: Sequence[int], branched: Sequence[bool] = ()) -> Tuple[float, float, float]:
+        """(attention units, padded rows, rows of branched blocks) of a pass of blocks with these rows (`branched`:
+        which blocks are trees that branch, whose attention gathers keys per query): what its cost is linear in."""
+        flags = list(branched) or [False] * len(block_rows)
+        gathered = float(sum(r for r, tree in zip(block_rows, flags) if tree))
+        return sum(self.block_units(r) for r in block_rows), self.padded_rows(sum(block_rows)), gathered
 
 
 def pass_shape(model) -> PassShape:

@@ -59,6 +59,7 @@ class BlockFeedback:
     cost_fixed_ms: float = 0.0  # its pass cost: cost_fixed_ms + cost_per_block_ms * blocks + cost_per_row_ms * rows
     cost_per_row_ms: float = 0.0
     cost_per_block_ms: float = 0.0
+    cost_per_branched_row_ms: float = 0.0  # + this * the rows of blocks that are branching trees
     cost_row_bucket: int = 0  # the units of that cost (steerspec/models/pass_shape.py; 0s: plain counts)
     cost_block_rows: float = 0.0
 

@@ -31,7 +31,8 @@ A tree session's block is the tree's first n nodes in `cut_order` — the top-1 
 second choice, and so on — rather than breadth-first: a draft's top-1 child is accepted far more often than its
 sibling (the default tree "0,1,2,00,10" on smollm2-sd2: "00" 45% of blocks, "1" 12%), so a cut of two nodes is the
 chain "0,00" (τ 1 + .65 + .45) and not the siblings "0,1" (1 + .65 + .12), and on the batch-invariant verifier a
-path is also the cheaper block (its keys read in place, not gathered). A cut that is not a breadth-first prefix of the
+path is also the cheaper block (its keys read in place, not gathered: the verifier prices a branching block's rows
+apart, VerifyResult.cost_per_branched_row_ms, and so does the model). A cut that is not a breadth-first prefix of the
 session's tree travels as DraftBlock.parents (`blocks.tree_kind`); slot i is the tree's i-th node in this order.
 
 A worked example with the pass cost measured on an AMD EPYC VM (2 cores, edge placement, RTT 50, float32: c = 41.6 ms
@@ -104,13 +105,15 @@ class LoadAware(PolicyBase):
         self.blocks = 1.0  # blocks per verifier pass (reported), EWMA
         self.cycle_ms = 0.0  # a block's whole round: drafting, link, overhead, queue and pass, EWMA
         self.pass_obs_ms = 0.0  # the passes that verified this session's blocks, EWMA
-        self.pass_line = (0.0, 0.0, 0.0)  # the verifier's reported cost: fixed ms, ms per block, ms per row (0s: none)
+        # the verifier's reported cost: fixed ms, ms per block, ms per row, ms per branched row (0s: none)
+        self.pass_line = (0.0, 0.0, 0.0, 0.0)
         self.pass_shape = PassShape()  # the units of that cost (the verifier's kernel path)
         self.seen = 0
         self.load_seen = False  # the load signals of this sequence observed yet (the first result sets them)
         self.last_k = 0
         self.slots: Dict[Path, int] = {}  # a tree's nodes (rank paths) -> slots, set by next_shape
         self.depths: List[int] = []  # a tree cut of n nodes -> its depth, set by next_shape (none: a chain's n)
+        self.branches: List[bool] = []  # a tree cut of n nodes -> whether it branches, set by next_shape
         self.limit = self.max_k  # the largest block: max, or a tree session's node count (set by next_shape)
 
     def reset(self) -> None:
@@ -118,7 +121,7 @@ class LoadAware(PolicyBase):
         over; the load signals are taken afresh from the sequence's first result, since the load may have moved
         while no session of this policy ran (a warm-started session would otherwise follow it block by block)."""
         self.load_seen = False
-        self.pass_line = (0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
+        self.pass_line = (0.0, 0.0, 0.0, 0.0)  # a verifier reports it again with the first result; in process none does
         self.pass_shape = PassShape()
 
     # --- model ---
@@ -140,21 +143,24 @@ class LoadAware(PolicyBase):
         """T(n) for each n of `sizes` (draft_ms its drafting): the closed loop's fixed point with every session sending
         blocks of n drafts. The pass is priced in the verifier's units (`PassShape`): its rows padded to the row
         bucket are averaged over how many blocks a pass holds — the session's own and each other session's with
-        chance (B − 1)/(N − 1) — since on a bucketed path that, not the mean, decides how many products it runs."""
+        chance (B − 1)/(N − 1) — since on a bucketed path that, not the mean, decides how many products it
+        runs."""
         sizes_a, drafting = np.asarray(sizes, dtype=float), np.asarray(draft_ms, dtype=float)
         if not self.reported:
             table = self.verify.table()
             return drafting + self.overhead_ms + np.array([table[int(n)] for n in sizes])
-        fixed, per_block, per_row = self.pass_line
+        fixed, per_block, per_row, per_branched = self.pass_line
         shape, sessions = self.pass_shape, self.sessions
         others = max(int(math.ceil(sessions - 1.0 - 1e-9)), 0)
         rows = sizes_a + 1.0
         units = np.array([shape.block_units(r) for r in rows])
+        gathered = np.array([r * per_branched if self.branched(int(n)) else 0.0 for n, r in zip(sizes, rows)])
         padded = np.array([[shape.padded_rows((1 + j) * r) for j in range(others + 1)] for r in rows])  # [S, others+1]
         blocks = np.full(len(rows), max(self.blocks, 1.0))
         total = drafting + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
-            pass_ms = fixed + blocks * per_block * units + per_row * _mean_over_passes(padded, blocks, others)
+            rows_ms = per_row * _mean_over_passes(padded, blocks, others)
+            pass_ms = fixed + blocks * (per_block * units + gathered) + rows_ms
             busy = np.minimum(1.0, (sessions - 1.0) * pass_ms / np.maximum(total * blocks, 1e-6))  # the others' share
             total = drafting + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
             blocks = np.minimum(sessions, 1.0 + (sessions - 1.0) * pass_ms / total)
@@ -163,6 +169,10 @@ class LoadAware(PolicyBase):
     def depth(self, n: int) -> int:
         """Drafter passes a block of n drafts takes: a chain's n, a tree cut's deepest node (`next_shape`)."""
         return self.depths[n] if n < len(self.depths) else n
+
+    def branched(self, n: int) -> bool:
+        """Whether a block of n drafts is a tree that branches (a chain's never is; a tree cut's, `next_shape`)."""
+        return self.branches[n] if n < len(self.branches) else False
 
     def block_ms(self) -> List[float]:
         """The modelled round of a block of n = 0..max drafts."""
@@ -183,9 +193,10 @@ class LoadAware(PolicyBase):
         """A tree session's block: the tree's first next_k() nodes in `cut_order`, breadth-first."""
         order = cut_order(tree)
         self.slots = {path: i for i, path in enumerate(order)}
-        self.depths = [0]
+        self.depths, self.branches = [0], [False]
         for path in order:
             self.depths.append(max(self.depths[-1], len(path)))
+            self.branches.append(self.depths[-1] < len(self.depths) - 1)  # fewer levels than nodes
         self.limit = min(self.max_k, len(order))
         chosen = order[:min(self.next_k(), len(order))]
         return tuple(sorted(chosen, key=lambda p: (len(p), p)))
@@ -208,10 +219,12 @@ class LoadAware(PolicyBase):
         first = not self.load_seen
         if feedback.batch_size:
             self.blocks = float(feedback.batch_size) if first else (1 - fast) * self.blocks + fast * feedback.batch_size
-        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms))
+        line = (float(feedback.cost_fixed_ms), float(feedback.cost_per_block_ms), float(feedback.cost_per_row_ms),
+                float(feedback.cost_per_branched_row_ms))
         if any(value > 0.0 for value in line):
             self.pass_line = line
-            self.pass_shape = PassShape(max(int(feedback.cost_row_bucket), 1), max(float(feedback.cost_block_rows), 0.0))
+            self.pass_shape = PassShape(max(int(feedback.cost_row_bucket), 1),
+                                        max(float(feedback.cost_block_rows), 0.0))
         if feedback.verify_ms > 0.0:
             cycle = feedback.draft_ms + feedback.network_ms + feedback.overhead_ms + feedback.queue_ms + \
                 feedback.verify_ms
@@ -258,8 +271,8 @@ class LoadAware(PolicyBase):
         line = [float(v) for v in state["pass_line"]]
         if len(line) == 2:  # a state saved before the verifier reported a block's own cost
             line = [line[0], 0.0, line[1]]
-        fixed, per_block, per_row = line
-        self.include, self.judged, self.pass_line = include, judged, (fixed, per_block, per_row)
+        line += [0.0] * (4 - len(line))  # ... or a branched row's
+        self.include, self.judged, self.pass_line = include, judged, (line[0], line[1], line[2], line[3])
         self.overhead_ms, self.blocks = float(state["overhead_ms"]), float(state["blocks"])
         self.cycle_ms, self.pass_obs_ms = float(state["cycle_ms"]), float(state["pass_obs_ms"])
         bucket, block_rows = state.get("pass_shape", (1, 0.0))  # a state saved before the verifier named its units

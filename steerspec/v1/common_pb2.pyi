@@ -89,7 +89,7 @@ class SprinterLabels(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., fn: _Optional[int] = ..., fp: _Optional[int] = ..., tn: _Optional[int] = ..., r: _Optional[int] = ..., tv_pq_sum: _Optional[float] = ..., moved_sum: _Optional[float] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter", "path", "pass_rows", "blocks_waiting", "cost_fixed_ms", "cost_per_row_ms", "cost_per_block_ms", "cost_row_bucket", "cost_block_rows")
+    __slots__ = ("seq", "accepted", "next_token", "is_bonus", "committed_length", "steering", "queue_ms", "verify_ms", "batch_size", "sprinter", "path", "pass_rows", "blocks_waiting", "cost_fixed_ms", "cost_per_row_ms", "cost_per_block_ms", "cost_row_bucket", "cost_block_rows", "cost_per_branched_row_ms")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class VerifyResult(_message.Message):
     COST_PER_BLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     COST_ROW_BUCKET_FIELD_NUMBER: _ClassVar[int]
     COST_BLOCK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_BRANCHED_ROW_MS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     accepted: int
     next_token: int
@@ -126,7 +127,8 @@ class VerifyResult(_message.Message):
     cost_per_block_ms: float
     cost_row_bucket: int
     cost_block_rows: float
-    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., sprinter: _Optional[_Union[SprinterLabels, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., pass_rows: _Optional[int] = ..., blocks_waiting: _Optional[int] = ..., cost_fixed_ms: _Optional[float] = ..., cost_per_row_ms: _Optional[float] = ..., cost_per_block_ms: _Optional[float] = ..., cost_row_bucket: _Optional[int] = ..., cost_block_rows: _Optional[float] = ...) -> None: ...
+    cost_per_branched_row_ms: float
+    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., committed_length: _Optional[int] = ..., steering: _Optional[_Union[Tensor, _Mapping]] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., sprinter: _Optional[_Union[SprinterLabels, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., pass_rows: _Optional[int] = ..., blocks_waiting: _Optional[int] = ..., cost_fixed_ms: _Optional[float] = ..., cost_per_row_ms: _Optional[float] = ..., cost_per_block_ms: _Optional[float] = ..., cost_row_bucket: _Optional[int] = ..., cost_block_rows: _Optional[float] = ..., cost_per_branched_row_ms: _Optional[float] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "seq")

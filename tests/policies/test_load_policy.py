@@ -196,7 +196,7 @@ def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
     settled(by_rows, 60, batch=8, queue_ms=60.0, cost=dict(cost_fixed_ms=45.0, cost_per_row_ms=2.25))
     settled(by_blocks, 60, batch=8, queue_ms=60.0,
             cost=dict(cost_fixed_ms=45.0, cost_per_block_ms=6.0, cost_per_row_ms=1.25))
-    assert by_rows.pass_line == (45.0, 0.0, 2.25) and by_blocks.pass_line == (45.0, 6.0, 1.25)
+    assert by_rows.pass_line == (45.0, 0.0, 2.25, 0.0) and by_blocks.pass_line == (45.0, 6.0, 1.25, 0.0)
     assert by_rows.next_k() == 1 and by_blocks.next_k() == 4
 
 
@@ -226,3 +226,30 @@ def test_on_a_bucketed_verifier_a_block_fills_the_products_it_pays_for():
     copy = LoadAware(max=6)
     copy.load_state_dict(bucketed.state_dict())  # the units carry through failover with the line
     assert copy.pass_shape == bucketed.pass_shape and copy.next_k() == 3
+
+
+def test_a_branching_cut_pays_for_its_gathered_keys():
+    """On the default tree "0,1,2,00,10", cuts of 1 and 2 nodes are paths ("0", "0,00") and a cut of 3 branches
+    ("0,00,1"): where the verifier reports a branching block's rows dearer, a crowded session stops at the path."""
+    tree = [(0,), (1,), (2,), (0, 0), (1, 0)]
+    targets = [((0, 0), 0.35), ((0,), 0.25), ((1, 0), 0.05), ((1,), 0.1), ((2,), 0.05), ((), 0.2)]
+
+    def run(per_branched: float) -> LoadAware:
+        policy, rng = LoadAware(max=5), random.Random(0)
+        for _ in range(200):
+            shape = policy.next_shape(tree)
+            target = rng.choices([t for t, _ in targets], [w for _, w in targets])[0]
+            path = []
+            for depth in range(1, len(target) + 1):
+                if target[:depth] not in shape:
+                    break
+                path.append(shape.index(target[:depth]))
+            policy.update(BlockFeedback(len(path), len(shape), draft_ms=1.0 + 2.5 * max(map(len, shape), default=0),
+                                        verify_ms=100.0, queue_ms=80.0, network_ms=50.0, overhead_ms=3.0, batch_size=6,
+                                        shape=shape, path=tuple(path), cost_fixed_ms=30.0, cost_per_block_ms=6.0,
+                                        cost_per_row_ms=2.0, cost_per_branched_row_ms=per_branched))
+        return policy
+
+    cheap, dear = run(0.0), run(1.5)  # 1.5 ms a row: about what SmolLM2 measures (steerspec/models/pass_shape.py)
+    assert cheap.branched(3) and not cheap.branched(2) and not cheap.branched(1)
+    assert cheap.next_k() >= 3 and dear.next_k() == 2

@@ -16,7 +16,7 @@ from steerspec.models import load_model
 from steerspec.models.invariant_pass import InvariantPlan, set_invariant
 from steerspec.models.pass_shape import PassShape, pass_shape
 from steerspec.v1 import verifier_pb2_grpc
-from verifier_service.pass_costs import PassCosts
+from verifier_service.pass_costs import Anchor, PassCosts
 from verifier_service.server import VerifierConfig, serve
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -24,19 +24,19 @@ pytestmark = [pytest.mark.timeout(120)]
 
 def test_pass_costs_fit_blocks_and_rows():
     costs = PassCosts(beta=0.05)
-    assert costs.line() == (0.0, 0.0, 0.0)
+    assert costs.line() == (0.0, 0.0, 0.0, 0.0)
     rng = random.Random(0)
     for _ in range(400):
         blocks = rng.randint(1, 8)
         rows = blocks * rng.randint(1, 6)
         costs.add([rows // blocks] * blocks, 41.6 + 6.0 * blocks + 1.25 * rows + rng.uniform(-1.0, 1.0))
-    fixed, per_block, per_row = costs.line()
+    fixed, per_block, per_row, _ = costs.line()
     assert fixed == pytest.approx(41.6, abs=1.5) and per_block == pytest.approx(6.0, abs=0.4)
     assert per_row == pytest.approx(1.25, abs=0.1)
     flat = PassCosts()
     for _ in range(10):
         flat.add([6], 30.0)  # one shape only: no slope, the whole cost fixed
-    assert flat.line() == pytest.approx((30.0, 0.0, 0.0), abs=1e-3)
+    assert flat.line() == pytest.approx((30.0, 0.0, 0.0, 0.0), abs=1e-3)
 
 
 def test_anchor_passes_split_what_same_sized_blocks_cannot():
@@ -50,7 +50,7 @@ def test_anchor_passes_split_what_same_sized_blocks_cannot():
     for i in range(200):
         blocks = 1 + i % 8
         costs.add([5] * blocks, cost(blocks, 5 * blocks) + 8.0)  # the served contexts are longer: dearer
-    fixed, per_block, per_row = costs.line()
+    fixed, per_block, per_row, _ = costs.line()
     assert fixed + 8 * per_block + 40 * per_row == pytest.approx(cost(8, 40) + 8.0, rel=0.03)  # what was served
     assert per_block == pytest.approx(6.0, abs=1.0) and per_row == pytest.approx(1.0, abs=0.3)  # the anchors' split
     blind = PassCosts(beta=0.05)
@@ -65,12 +65,13 @@ def test_a_bucketed_kernel_path_is_fitted_in_its_own_units():
     rows (SmolLM2's 3 query heads per key head): the cost is a staircase. Fitted in those units the line prices 4
     blocks of 4 rows (16: one product) apart from 4 blocks of 5 (20: two); a line in plain rows would not."""
     shape = PassShape(row_bucket=16, block_rows=16 / 3)
-    assert shape.units([4] * 4) == (4.0, 16.0) and shape.units([5] * 4) == (4.0, 32.0)
-    assert shape.units([6]) == (2.0, 16.0) and shape.units([16]) == (3.0, 16.0) and shape.units([1]) == (1.0, 16.0)
-    assert PassShape().units([3, 5]) == (2.0, 8.0)  # the ordinary path: blocks and rows
+    assert shape.units([4] * 4) == (4.0, 16.0, 0.0) and shape.units([5] * 4) == (4.0, 32.0, 0.0)
+    assert shape.units([6])[:2] == (2.0, 16.0) and shape.units([16])[:2] == (3.0, 16.0)
+    assert shape.units([1])[:2] == (1.0, 16.0)
+    assert PassShape().units([3, 5], [True, False]) == (2.0, 8.0, 3.0)  # the ordinary path: blocks, rows, tree rows
 
     def cost(block_rows):
-        units, rows = shape.units(block_rows)
+        units, rows, _ = shape.units(block_rows)
         return 40.0 + 6.0 * units + 1.5 * rows
 
     rng = random.Random(0)
@@ -80,16 +81,37 @@ def test_a_bucketed_kernel_path_is_fitted_in_its_own_units():
         ms = cost(blocks) + rng.uniform(-0.5, 0.5)
         bucketed.add(blocks, ms)
         plain.add(blocks, ms)
-    assert bucketed.line() == pytest.approx((40.0, 6.0, 1.5), abs=0.5)
+    assert bucketed.line() == pytest.approx((40.0, 6.0, 1.5, 0.0), abs=0.5)
 
     def priced(costs, block_rows):
-        fixed, per_block, per_row = costs.line()
-        units, rows = costs.shape.units(block_rows)
+        fixed, per_block, per_row, _ = costs.line()
+        units, rows, _ = costs.shape.units(block_rows)
         return fixed + per_block * units + per_row * rows
 
     step = cost([5] * 4) - cost([4] * 4)  # 24 ms: a second product for every linear layer
     assert priced(bucketed, [5] * 4) - priced(bucketed, [4] * 4) == pytest.approx(step, abs=1.0)
     assert priced(plain, [5] * 4) - priced(plain, [4] * 4) < step / 2  # a line through the stairs
+
+
+def test_a_branching_trees_rows_are_priced_apart_from_a_chains():
+    """A branching tree's queries gather their own keys: its rows cost more than a chain's of as many. Served passes of
+    chains only leave that term to the anchors (one of them a branching tree); served trees then set it."""
+    def cost(block_rows, branched):
+        gathered = sum(r for r, tree in zip(block_rows, branched) if tree)
+        return 40.0 + 6.0 * len(block_rows) + 1.0 * sum(block_rows) + 1.5 * gathered
+
+    anchors = [Anchor(b, b * r, cost([r] * b, [t] * b), t) for b, r, t in
+               ((1, 1, False), (1, 8, False), (4, 1, False), (4, 8, False), (4, 8, True))]
+    costs, rng = PassCosts(beta=0.05, anchors=anchors), random.Random(1)
+    for _ in range(100):
+        blocks = [rng.randint(1, 6) for _ in range(rng.randint(1, 8))]
+        costs.add(blocks, cost(blocks, [False] * len(blocks)), [False] * len(blocks))
+    assert costs.line() == pytest.approx((40.0, 6.0, 1.0, 1.5), abs=0.3)  # the tree term from the anchor
+    for _ in range(200):
+        blocks = [rng.randint(2, 6) for _ in range(rng.randint(1, 8))]
+        trees = [rng.random() < 0.5 for _ in blocks]
+        costs.add(blocks, cost(blocks, trees) + 2.0 * sum(r for r, t in zip(blocks, trees) if t), trees)
+    assert costs.line()[3] > 2.5  # served trees cost more than the anchor said (3.5 against 1.5): they move it
 
 
 def test_the_verifier_names_its_kernel_paths_units(tmp_path):
@@ -106,8 +128,8 @@ def test_the_verifier_times_its_anchor_passes_on_itself(tmp_path):
     torch.set_num_threads(1)
     model = load_model(str(make_tiny_llama(tmp_path / "verifier", seed=0)))
     anchors = anchor_passes(model)
-    assert [(b, r) for b, r, _ in anchors] == [(b, b * r) for b, r in SHAPES]
-    assert all(ms > 0 for _, _, ms in anchors)
+    assert [(a.blocks, a.rows, a.branched) for a in anchors] == [(b, b * r, t) for b, r, t in SHAPES]
+    assert all(a.ms > 0 for a in anchors) and any(a.branched for a in anchors)
     assert anchor_passes(model) == anchors  # timed once per model, plan and thread count
     again = load_model(str(make_tiny_llama(tmp_path / "again" / "verifier", seed=1)))
     assert anchor_passes(again) == anchors  # another load of the same shape: timed once per process
