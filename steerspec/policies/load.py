@@ -202,15 +202,19 @@ class LoadAware(PolicyBase):
         return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
     def next_k(self) -> int:
-        """The best size; while fewer than two sizes were measured recently (the cost lines are not identified),
-        the first block drafts min(FIRST_K, max) and later ones the best ± 1."""
+        """The best size; while fewer than two depths were drafted recently (the drafter's cost line is not
+        identified), the first block drafts min(FIRST_K, max) and a later one whose depth is the only one measured
+        drafts the nearest size of another depth, deeper first (a chain's best ± 1). In depths, not sizes: a tree's
+        cuts of 2 to 5 nodes may all be 2 deep, and taking them for new depths bumped every block past its best."""
         best = self.best()
         recent = self.draft.recent_lengths(STALE)
         if not recent:
             best = min(FIRST_K, self.limit)
-        elif len(recent) < 2 and self.limit >= 1:
-            only = recent[0] - 1  # depth + 1 -> a chain's drafts
-            best = best if best != only else (only + 1 if only < self.limit else only - 1)
+        elif len(recent) < 2 and self.depth(best) == recent[0] - 1:  # the line's lengths are depth + 1
+            only = recent[0] - 1
+            deeper = [n for n in range(best + 1, self.limit + 1) if self.depth(n) != only]
+            shallower = [n for n in range(best - 1, -1, -1) if self.depth(n) != only]
+            best = (deeper or shallower or [best])[0]
         self.last_k = best
         return best
 
