@@ -1,8 +1,8 @@
 """The verifier's anchor passes: a few passes timed on itself at start, so its cost fit can tell a block's cost from
 a row's (verifier_service/pass_costs.py) before the served passes vary both.
 
-Blocks of 1 and 4 sessions, 1 and 8 rows each, and 4 branching trees of 8 rows (TREE_PARENTS), over a PREFIX-token
-cache, interleaved, median of REPEATS after a warm-up — through `packed_extend`, the pass the verifier's fast caches
+Blocks of 1 and 4 sessions, 1 and 8 rows each, 6 of 2 and 3 rows, and 4 branching trees of 8 rows (TREE_PARENTS),
+over a PREFIX-token cache, interleaved, median of REPEATS after a warm-up — through `packed_extend`, the pass the verifier's fast caches
 run (invariant or not, as the model is set).
 Only where sessions get the lean FastCachedLM on the CPU; elsewhere (transformers caches, GPUs) no anchors. Kept for
 the process per machine, model shape, dtype, kernel plan and thread count (the kernel-path cache's key: timings
@@ -24,7 +24,9 @@ from steerspec.models.kernel_path import cache_key
 from steerspec.models.kv import FastCachedLM
 from verifier_service.pass_costs import Anchor
 
-SHAPES = ((1, 1, False), (1, 8, False), (4, 1, False), (4, 8, False), (4, 8, True))  # (blocks, rows per block, tree)
+# (blocks, rows per block, tree): 6 blocks of 2 and of 3 rows differ only in the rows a bucketed path pads to (12 and 18:
+# one product of 16 rows or two), whatever a block's attention costs on the served contexts
+SHAPES = ((1, 1, False), (1, 8, False), (4, 1, False), (4, 8, False), (6, 2, False), (6, 3, False), (4, 8, True))
 TREE_PARENTS = (0, 0, 1, 1, 2, 2, 3)  # a branching tree's rows 1..7: each one's parent row (row 0: the pending token)
 PREFIX = 96  # cached tokens per session (a short prompt and some output)
 REPEATS = 3
