@@ -60,6 +60,7 @@ LOAD_BETA = 0.3  # EWMA weight of the load's observations (blocks per pass, cycl
 FIXED_POINT_STEPS = 12
 FIRST_K = 4  # the first block's size, before any cost was measured
 STALE = 0.01  # a size whose cost-line weight fell below this was not measured recently
+PROBE_EVERY = 16  # blocks after which the slot just past the best size is drafted once to refresh its estimate
 
 
 Path = Tuple[int, ...]
@@ -98,6 +99,7 @@ class LoadAware(PolicyBase):
         """Back to the priors."""
         self.include: List[float] = [self.a0 ** (i + 1) for i in range(self.max_k)]
         self.judged: List[float] = [0.0] * self.max_k
+        self.last_judged: List[int] = [-PROBE_EVERY] * self.max_k  # the block (`seen`) each slot was last judged in
         # both lines in rows (n + 1 for n drafts), so blocks of no drafts measure them too
         self.draft = CostLine(self.max_k + 1, LOAD_BETA, prior=(0.0, 1.0), prior_share=0.5, min_share=0.1)
         self.verify = CostLine(self.max_k + 1, self.beta, prior=(1.0, 0.0), prior_share=0.05, residuals=True)
@@ -205,7 +207,10 @@ class LoadAware(PolicyBase):
         """The best size; while fewer than two depths were drafted recently (the drafter's cost line is not
         identified), the first block drafts min(FIRST_K, max) and a later one whose depth is the only one measured
         drafts the nearest size of another depth, deeper first (a chain's best ± 1). In depths, not sizes: a tree's
-        cuts of 2 to 5 nodes may all be 2 deep, and taking them for new depths bumped every block past its best."""
+        cuts of 2 to 5 nodes may all be 2 deep, and taking them for new depths bumped every block past its best.
+        Otherwise, once every PROBE_EVERY blocks, one node more than the best: a slot never drafted keeps its
+        estimate from the few verdicts it had (a tree's third sibling, judged 5 times, stuck at 5% where it ends on
+        the accepted path of about one block in six), and only drafting it again can show that it pays."""
         best = self.best()
         recent = self.draft.recent_lengths(STALE)
         if not recent:
@@ -215,6 +220,8 @@ class LoadAware(PolicyBase):
             deeper = [n for n in range(best + 1, self.limit + 1) if self.depth(n) != only]
             shallower = [n for n in range(best - 1, -1, -1) if self.depth(n) != only]
             best = (deeper or shallower or [best])[0]
+        elif best < self.limit and self.seen - self.last_judged[best] >= PROBE_EVERY:
+            best += 1
         self.last_k = best
         return best
 
@@ -249,6 +256,7 @@ class LoadAware(PolicyBase):
             w = max(b, 1.0 / (self.judged[i] + PRIOR_COUNT + 1.0))
             self.include[i] = _clip((1 - w) * self.include[i] + w * (1.0 if i in on_path else 0.0))
             self.judged[i] += 1.0
+            self.last_judged[i] = self.seen
 
     def _slots(self, feedback: BlockFeedback, drafted: int) -> Tuple[List[int], set]:
         """The slots a block drafted and those on its accepted path: a tree block's nodes by their place in the
@@ -260,7 +268,8 @@ class LoadAware(PolicyBase):
         return list(range(drafted)), on_path
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"include": list(self.include), "judged": list(self.judged), "draft": self.draft.state_dict(),
+        return {"include": list(self.include), "judged": list(self.judged), "last_judged": list(self.last_judged),
+                "draft": self.draft.state_dict(),
                 "verify": self.verify.state_dict(), "overhead_ms": self.overhead_ms, "blocks": self.blocks,
                 "cycle_ms": self.cycle_ms, "pass_obs_ms": self.pass_obs_ms, "pass_line": list(self.pass_line),
                 "pass_shape": list(self.pass_shape), "seen": self.seen}
@@ -282,6 +291,8 @@ class LoadAware(PolicyBase):
         bucket, block_rows = state.get("pass_shape", (1, 0.0))  # a state saved before the verifier named its units
         self.pass_shape = PassShape(int(bucket), float(block_rows))
         self.seen = int(state["seen"])
+        last = state.get("last_judged")  # absent from a state saved before probing: probe soon
+        self.last_judged = [int(b) for b in last] if last and len(last) == self.max_k else [-PROBE_EVERY] * self.max_k
 
     def __repr__(self) -> str:
         return f"LoadAware(max={self.max_k})"

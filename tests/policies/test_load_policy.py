@@ -13,7 +13,7 @@ from steerspec.decoding.sampling import SamplingParams
 from steerspec.decoding.tree_decoding import tree_generate
 from steerspec.models.backends import cached_lm
 from steerspec.policies import BlockFeedback, LoadAware, make_policy
-from steerspec.policies.load import cut_order
+from steerspec.policies.load import PROBE_EVERY, cut_order
 from steerspec.policies.registry import known_policies, max_block
 
 PASS = dict(cost_fixed_ms=41.6, cost_per_row_ms=4.25)  # the edge fit of docs/results/capacity.md (AMD EPYC)
@@ -202,9 +202,10 @@ def test_a_blocks_own_cost_keeps_drafts_paying_on_a_crowded_verifier():
 
 def test_on_a_bucketed_verifier_a_block_fills_the_products_it_pays_for():
     """A batch-invariant verifier computes a pass's rows in products of 16 and reports its cost in those units
-    (cost_row_bucket, cost_block_rows): with about 6 blocks a pass, 4-row blocks (24 rows) ride in the same two
-    products as 3-row ones (18), so the policy drafts 3 where, priced by plain rows, it would draft 2; alone on it, a
-    block stops at the 5 rows one attention product holds (a sixth costs a second)."""
+    (cost_row_bucket, cost_block_rows): with about 6 blocks a pass, 5-row blocks (30 rows) ride in the same two
+    products as 3-row ones (18) and 6-row ones need a third (and a second attention product each), so the policy
+    drafts 4 and not 5, more than priced by plain rows; alone on it, a block stops at the 5 rows one attention product
+    holds (a sixth costs a second)."""
     def run(shape, batch: int, queue_ms: float) -> LoadAware:
         policy, rng = LoadAware(max=6), random.Random(0)
         for _ in range(150):
@@ -220,12 +221,14 @@ def test_on_a_bucketed_verifier_a_block_fills_the_products_it_pays_for():
 
     bucketed, plain = run((16, 16 / 3), 6, 80.0), run((0, 0.0), 6, 80.0)
     assert bucketed.pass_shape == (16, 16 / 3) and plain.pass_shape == (1, 0.0)
-    assert bucketed.next_k() == 3 and plain.next_k() == 2
+    rates = bucketed.rates()
+    assert bucketed.best() == 4 and rates[5] < 0.8 * rates[4]  # 6 x 5 rows fill two products, 6 x 6 need a third
+    assert plain.best() < bucketed.best()  # priced by plain rows, every row costs alike
     alone = run((16, 16 / 3), 1, 0.0)
-    assert alone.next_k() == 4 and alone.rates()[5] < alone.rates()[4]
+    assert alone.best() == 4 and alone.rates()[5] < alone.rates()[4]
     copy = LoadAware(max=6)
     copy.load_state_dict(bucketed.state_dict())  # the units carry through failover with the line
-    assert copy.pass_shape == bucketed.pass_shape and copy.next_k() == 3
+    assert copy.pass_shape == bucketed.pass_shape and copy.best() == 4
 
 
 def test_a_branching_cut_pays_for_its_gathered_keys():
@@ -264,3 +267,21 @@ def test_a_tree_session_explores_another_depth_not_a_larger_cut_of_the_same():
                                     cost_per_branched_row_ms=1.5))
     assert policy.draft.recent_lengths(0.01) == [3] and policy.best() == 2
     assert policy.next_k() == 1
+
+
+def test_a_slot_past_the_best_is_drafted_again_now_and_then():
+    """A slot drafted a few times and found poor keeps that estimate while nothing drafts it: every PROBE_EVERY
+    blocks the policy drafts one node past its best, so a sibling that does pay is found."""
+    tree = [(0,), (1,), (2,), (0, 0), (1, 0)]
+    policy = LoadAware(max=5)
+    policy.next_shape(tree)
+    sizes = []
+    for _ in range(3 * PROBE_EVERY):
+        shape = policy.next_shape(tree)
+        sizes.append(len(shape))
+        policy.update(BlockFeedback(1, len(shape), draft_ms=1.0 + 2.5 * max(map(len, shape), default=0),
+                                    verify_ms=60.0, network_ms=50.0, overhead_ms=3.0, batch_size=1, shape=shape,
+                                    path=(0,) if shape else (), cost_fixed_ms=40.0, cost_per_row_ms=4.0))
+    settled = sizes[PROBE_EVERY:]
+    best = max(set(settled), key=settled.count)
+    assert best < 5 and 1 <= sum(n == best + 1 for n in settled) <= 4, sizes  # probed, and only now and then
