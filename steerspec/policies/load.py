@@ -17,9 +17,9 @@ over its own cache, which on the batch-invariant path outweighs its rows: verifi
 of the verifier's kernel path (cost_row_bucket / cost_block_rows, `steerspec.models.pass_shape`): on the batch-invariant
 path B counts attention products (one per 5 rows of a block on SmolLM2) and R the rows padded to the bucket of 16,
 averaged over how many blocks a pass holds, so a size that tips the pass into another product pays for all of it
-(at 8 sessions on the Intel Xeon VM, about 4 blocks per pass: 3-row blocks fit one product, 5-row ones need two) — and N the sessions
-sharing the verifier, read from what it reports: blocks per pass B_obs (VerifyResult.batch_size) over the share
-of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
+(at 8 sessions on the Intel Xeon VM, about 4 blocks per pass: 3-row blocks fit one product, 5-row ones need two)
+— and N the sessions sharing the verifier, read from what it reports: blocks per pass B_obs
+(VerifyResult.batch_size) over the share of a session's cycle its pass takes, N = 1 + (B_obs − 1) · T_obs / P_obs. For each n the closed loop is solved
 as a fixed point: every session sends blocks of n drafts (they run this same policy on the same signal, so they
 converge on the size that is best for all of them, and a session does not grow its block because its own rows are a
 small part of a crowded pass — the selfish choice, which on a busy verifier costs every session more than it
@@ -115,8 +115,6 @@ class LoadAware(PolicyBase):
         self.last_k = 0
         self.slots: Dict[Path, int] = {}  # a tree's nodes (rank paths) -> slots, set by next_shape
         self.depths: List[int] = []  # a tree cut of n nodes -> its depth, set by next_shape (none: a chain's n)
-        self.branches: List[bool] = []  # a tree cut of n nodes -> whether it branches, set by next_shape
-        self.limit = self.max_k  # the largest block: max, or a tree session's node count (set by next_shape)
 
     def reset(self) -> None:
         """A new sequence: what describes the pair and the link (acceptance per slot, the drafter's cost) carries
@@ -158,10 +156,12 @@ class LoadAware(PolicyBase):
         units = np.array([shape.block_units(r) for r in rows])
         gathered = np.array([r * per_branched if self.branched(int(n)) else 0.0 for n, r in zip(sizes, rows)])
         padded = np.array([[shape.padded_rows((1 + j) * r) for j in range(others + 1)] for r in rows])  # [S, others+1]
+        log_comb = np.array([math.lgamma(others + 1) - math.lgamma(k + 1) - math.lgamma(others - k + 1)
+                             for k in range(others + 1)])  # log C(others, j), for `_mean_over_passes`
         blocks = np.full(len(rows), max(self.blocks, 1.0))
         total = drafting + self.overhead_ms + fixed
         for _ in range(FIXED_POINT_STEPS):
-            rows_ms = per_row * _mean_over_passes(padded, blocks, others)
+            rows_ms = per_row * _mean_over_passes(padded, blocks, log_comb)
             pass_ms = fixed + blocks * (per_block * units + gathered) + rows_ms
             busy = np.minimum(1.0, (sessions - 1.0) * pass_ms / np.maximum(total * blocks, 1e-6))  # the others' share
             total = drafting + self.overhead_ms + busy * pass_ms / 2.0 + pass_ms
@@ -173,8 +173,13 @@ class LoadAware(PolicyBase):
         return self.depths[n] if n < len(self.depths) else n
 
     def branched(self, n: int) -> bool:
-        """Whether a block of n drafts is a tree that branches (a chain's never is; a tree cut's, `next_shape`)."""
-        return self.branches[n] if n < len(self.branches) else False
+        """Whether a block of n drafts is a tree that branches: fewer levels than nodes (a chain's never is)."""
+        return self.depth(n) < n
+
+    @property
+    def limit(self) -> int:
+        """The largest block: max, or a tree session's node count (`next_shape`)."""
+        return min(self.max_k, len(self.depths) - 1) if self.depths else self.max_k
 
     def block_ms(self) -> List[float]:
         """The modelled round of a block of n = 0..max drafts."""
@@ -195,11 +200,9 @@ class LoadAware(PolicyBase):
         """A tree session's block: the tree's first next_k() nodes in `cut_order`, breadth-first."""
         order = cut_order(tree)
         self.slots = {path: i for i, path in enumerate(order)}
-        self.depths, self.branches = [0], [False]
+        self.depths = [0]
         for path in order:
             self.depths.append(max(self.depths[-1], len(path)))
-            self.branches.append(self.depths[-1] < len(self.depths) - 1)  # fewer levels than nodes
-        self.limit = min(self.max_k, len(order))
         chosen = order[:min(self.next_k(), len(order))]
         return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
@@ -298,14 +301,14 @@ class LoadAware(PolicyBase):
         return f"LoadAware(max={self.max_k})"
 
 
-def _mean_over_passes(padded: np.ndarray, blocks: np.ndarray, others: int) -> np.ndarray:
-    """Per size s, Σ_j P(j) · padded[s, j]: a pass holds the session's own block and j of the `others` sessions' ones,
-    j binomial with mean blocks[s] − 1 (each other session's block in it with the same chance)."""
+def _mean_over_passes(padded: np.ndarray, blocks: np.ndarray, log_comb: np.ndarray) -> np.ndarray:
+    """Per size s, Σ_j P(j) · padded[s, j]: a pass holds the session's own block and j of the other sessions' ones
+    (len(log_comb) − 1 of them, log_comb[j] = log C(others, j)), j binomial with mean blocks[s] − 1 (each other
+    session's block in it with the same chance)."""
+    others = len(log_comb) - 1
     if others == 0:
         return padded[:, 0]
     chance = np.clip((blocks - 1.0) / others, 1e-12, 1.0 - 1e-12)[:, None]
     j = np.arange(others + 1, dtype=float)[None, :]
-    log_comb = np.array([math.lgamma(others + 1) - math.lgamma(k + 1) - math.lgamma(others - k + 1)
-                         for k in range(others + 1)])[None, :]
-    weights = np.exp(log_comb + j * np.log(chance) + (others - j) * np.log1p(-chance))
+    weights = np.exp(log_comb[None, :] + j * np.log(chance) + (others - j) * np.log1p(-chance))
     return (weights * padded).sum(axis=1)
